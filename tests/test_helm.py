@@ -1,0 +1,458 @@
+"""The Helm chart in helm/specrelay, rendered with the real helm binary.
+
+helm comes from .tools/helm (the Makefile runs scripts/install_helm.sh) or PATH; without it
+these tests fail rather than skip. The RayService is validated against the KubeRay CRD schema in
+../shared/k8s/kuberay-crds, core kinds with kubernetes-validate.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import shlex
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "specrelay"
+CRD = REPO.parent / "shared" / "k8s" / "kuberay-crds" / "ray.io_rayservices.yaml"
+RELEASE = "sr"
+KUBE_VERSION = "1.30.0"
+
+# Ray's ports as the chart's defaults pin them (values.yaml: ray.ports).
+RAY_PORTS = {6379, 8265, 10001, 8080, 52365, 52366, 52367, 6380, 6381}
+RAY_WORKER_PORT_RANGE = (10002, 19999)
+HTTP_PORT = 8000
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+@cache
+def helm_bin() -> str:
+    local = REPO / ".tools" / "helm"
+    if local.is_file():
+        return str(local)
+    found = shutil.which("helm")
+    if found is None:
+        pytest.fail("helm not found: run `bash scripts/install_helm.sh .tools/helm` (make install)")
+    return found
+
+
+def helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [helm_bin(), *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@cache
+def _render(sets: tuple[str, ...]) -> str:
+    argv = ["template", RELEASE, str(CHART), "--namespace", "llm"]
+    for s in sets:
+        argv += ["--set", s]
+    out = helm(*argv)
+    assert out.returncode == 0, f"helm template {shlex.join(argv)} failed:\n{out.stderr}"
+    return out.stdout
+
+
+def render(*sets: str) -> list[dict]:
+    """Rendered manifests (fresh copies, safe to mutate)."""
+    return [d for d in yaml.safe_load_all(_render(tuple(sets))) if d]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def pod_specs(rs: dict) -> dict[str, dict]:
+    """Pod template of the head and of each worker group, by name."""
+    cluster = rs["spec"]["rayClusterConfig"]
+    specs = {"head": cluster["headGroupSpec"]["template"]}
+    for group in cluster["workerGroupSpecs"]:
+        specs[group["groupName"]] = group["template"]
+    return specs
+
+
+def ray_container(template: dict) -> dict:
+    return template["spec"]["containers"][0]
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def worker_group(rs: dict) -> dict:
+    (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    return group
+
+
+def _strict(schema: object) -> object:
+    """Reject unknown fields where the CRD lists the known ones (as `kubectl apply` does with
+    server-side strict field validation; plain jsonschema would accept any typo)."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@cache
+def rayservice_validator() -> jsonschema.Draft7Validator:
+    assert CRD.is_file(), f"KubeRay CRD missing at {CRD} (see ../shared/k8s/README.md)"
+    crd = yaml.safe_load(CRD.read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = _strict(v1["schema"]["openAPIV3Schema"])
+    # Top-level apiVersion/kind/metadata are checked by the API server, not the CRD schema.
+    schema["properties"]["metadata"] = {"type": "object"}
+    return jsonschema.Draft7Validator(schema)
+
+
+def crd_errors(rs: dict) -> list[str]:
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in rayservice_validator().iter_errors(rs)
+    ]
+
+
+def rule_ports(rule: dict) -> set[int] | None:
+    """Ports a NetworkPolicy ingress rule opens (None: all ports)."""
+    if not rule.get("ports"):
+        return None
+    ports: set[int] = set()
+    for p in rule["ports"]:
+        end = p.get("endPort", p["port"])
+        ports.update(range(p["port"], end + 1))
+    return ports
+
+
+# Values used by the custom-render tests, as --set arguments.
+CUSTOM = (
+    "worker.gpus=4",
+    "worker.replicas=2",
+    "specrelay.tensorParallelSize=4",
+    "specrelay.model=meta-llama/Llama-3.1-70B-Instruct",
+    "specrelay.draft.kind=model",
+    "specrelay.draft.model=meta-llama/Llama-3.2-1B-Instruct",
+    "specrelay.draft.numSpeculativeTokens=6",
+    "specrelay.config=/app/configs/llama70b.yaml",
+    "otel.endpoint=http://otel-collector.observability:4318",
+    r"worker.nodeSelector.cloud\.google\.com/gke-accelerator=nvidia-h100-80gb",
+    "worker.tolerations[0].key=dedicated",
+    "worker.tolerations[0].operator=Equal",
+    "worker.tolerations[0].value=llm",
+    "worker.tolerations[0].effect=NoSchedule",
+)
+
+
+# --- the tool and the chart ----------------------------------------------------------------------
+
+
+def test_helm_lint_passes_strict():
+    out = helm("lint", "--strict", str(CHART))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_default_render_has_exactly_the_expected_objects():
+    kinds = sorted(d["kind"] for d in render())
+    assert kinds == ["NetworkPolicy", "RayService", "Secret", "Secret", "Service"]
+
+
+# --- values flow into the RayService -------------------------------------------------------------
+
+
+def test_custom_values_render_into_the_rayservice():
+    rs = one(render(*CUSTOM), "RayService")
+    group = worker_group(rs)
+    worker = ray_container(group["template"])
+
+    assert group["replicas"] == 2
+    assert group["minReplicas"] == 2 and group["maxReplicas"] == 2
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert group["rayStartParams"]["num-gpus"] == "4"
+    assert group["template"]["spec"]["nodeSelector"] == {
+        "cloud.google.com/gke-accelerator": "nvidia-h100-80gb"
+    }
+    assert group["template"]["spec"]["tolerations"] == [
+        {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+    ]
+
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    (app,) = serve["applications"]
+    assert app["import_path"] == "actors.serve_app:build_app"
+    assert app["route_prefix"] == "/"
+    assert app["args"] == {
+        "config": "/app/configs/llama70b.yaml",
+        "overrides": {
+            "target_model": "meta-llama/Llama-3.1-70B-Instruct",
+            "draft_kind": "model",
+            "draft_model": "meta-llama/Llama-3.2-1B-Instruct",
+            "num_speculative_tokens": 6,
+            "tensor_parallel_size": 4,
+        },
+    }
+    assert serve["http_options"]["port"] == HTTP_PORT
+
+    for name, template in pod_specs(rs).items():
+        env = env_of(ray_container(template))
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == (
+            "http://otel-collector.observability:4318"
+        ), name
+
+
+def test_defaults_suit_a_gpu_cluster():
+    rs = one(render(), "RayService")
+    group = worker_group(rs)
+    app = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]
+    assert app["args"]["overrides"]["tensor_parallel_size"] == 1
+    assert app["args"]["overrides"]["draft_kind"] == "ngram"
+    assert "draft_model" not in app["args"]["overrides"]
+    assert ray_container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == 1
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    assert "nvidia.com/gpu" not in ray_container(head["template"])["resources"].get("limits", {})
+    # Without an endpoint no exporter is configured.
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env_of(ray_container(group["template"]))
+
+
+def test_api_key_comes_from_a_secret_on_every_ray_container():
+    docs = render("specrelay.apiKey.value=sk-test-123")
+    rs = one(docs, "RayService")
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    for name, template in pod_specs(rs).items():
+        ref = env_of(ray_container(template))["SPECRELAY_API_KEY"]["valueFrom"]["secretKeyRef"]
+        data = secrets[ref["name"]]["data"]
+        assert base64.b64decode(data[ref["key"]]).decode() == "sk-test-123", name
+
+
+def test_workers_probe_health_on_the_http_port():
+    worker = ray_container(worker_group(one(render(), "RayService"))["template"])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert worker[probe]["httpGet"] == {"path": "/health", "port": HTTP_PORT}, probe
+    assert {"name": "serve", "containerPort": HTTP_PORT} in worker["ports"]
+
+
+# --- schemas -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sets", [(), CUSTOM, ("rayAuth.enabled=false", "worker.gpus=0")])
+def test_rendered_rayservice_validates_against_the_kuberay_crd(sets):
+    rs = one(render(*sets), "RayService")
+    assert rs["apiVersion"] == "ray.io/v1"
+    assert crd_errors(rs) == []
+
+
+@pytest.mark.parametrize(
+    "path, value, field",
+    [
+        (("spec", "rayClusterConfig", "workerGroupSpecs", 0, "replicas"), "two", "replicas"),
+        (("spec", "rayClusterConfig", "authOptions", "mode"), "password", "mode"),
+        (("spec", "rayClusterConfig", "headGroupSpec", "template", "spec", "nodeSelectr"), {}, "nodeSelectr"),
+    ],
+)
+def test_crd_validation_rejects_a_broken_rayservice(path, value, field):
+    rs = one(render(), "RayService")
+    node = rs
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    errors = crd_errors(rs)
+    assert errors, f"setting {path} to {value!r} passed the CRD schema"
+    assert any(field in e for e in errors)
+
+
+def test_core_kinds_validate_against_kubernetes_schemas():
+    try:
+        import kubernetes_validate
+    except ImportError:
+        pytest.fail("kubernetes-validate is not installed (pip install kubernetes-validate)")
+
+    for sets in [(), CUSTOM, ("service.type=LoadBalancer",)]:
+        for doc in render(*sets):
+            if doc["apiVersion"].startswith("ray.io/"):
+                continue
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("worker.gpus=-1", "/worker/gpus"),
+        ("specrelay.draft.kind=eagle", "/specrelay/draft/kind"),
+        ("specrelay.draft.kind=model", "/specrelay/draft/model"),  # kind model needs a model
+        ("specrelay.tensorParallelSize=0", "/specrelay/tensorParallelSize"),
+        ("specrelay.draft.numSpeculativeTokens=0", "/specrelay/draft/numSpeculativeTokens"),
+        ("worker.replicas=two", "/worker/replicas"),
+        ("service.type=Ingress", "/service/type"),
+        ("drain.gracePeriodSeconds=-5", "/drain/gracePeriodSeconds"),
+        ("ray.ports.gcs=70000", "/ray/ports/gcs"),
+        ("otel.endpoint=collector:4317", "/otel/endpoint"),
+        ("wroker.gpus=2", "wroker"),  # typo of a top-level key
+    ],
+)
+def test_values_schema_rejects_bad_values(bad, message):
+    out = helm("template", RELEASE, str(CHART), "--set", bad)
+    assert out.returncode != 0, f"--set {bad} rendered"
+    assert "schema" in out.stderr and message in out.stderr, out.stderr
+
+
+def test_tensor_parallel_size_beyond_the_gpus_fails():
+    out = helm(
+        "template", RELEASE, str(CHART), "--set", "specrelay.tensorParallelSize=4",
+        "--set", "worker.gpus=1", "--set", "worker.replicas=2",
+    )
+    assert out.returncode != 0
+    assert "tensorParallelSize (4)" in out.stderr and "has 2" in out.stderr
+
+
+# --- network exposure ----------------------------------------------------------------------------
+
+
+def test_network_policy_lets_only_ray_pods_reach_ray_ports():
+    docs = render()
+    policy = one(docs, "NetworkPolicy")["spec"]
+    rs = one(docs, "RayService")
+
+    selector = policy["podSelector"]["matchLabels"]
+    for name, template in pod_specs(rs).items():
+        labels = template["metadata"]["labels"]
+        assert selector.items() <= labels.items(), f"policy does not select the {name} pods"
+    assert policy["policyTypes"] == ["Ingress"]
+
+    worker_range = set(range(RAY_WORKER_PORT_RANGE[0], RAY_WORKER_PORT_RANGE[1] + 1))
+    ray_ports = RAY_PORTS | worker_range
+    peer_rule_ports: set[int] = set()
+    for rule in policy["ingress"]:
+        opened = rule_ports(rule)
+        assert opened is not None, f"rule opens every port: {rule}"
+        ray_opened = opened & ray_ports
+        if not ray_opened:
+            continue
+        peers = rule.get("from")
+        assert peers, f"Ray ports {sorted(ray_opened)[:5]} open to everyone"
+        for peer in peers:
+            if "ipBlock" in peer:
+                pytest.fail(f"Ray ports open to an IP block: {peer}")
+            if peer.get("podSelector", {}).get("matchLabels") == selector:
+                assert "namespaceSelector" not in peer
+                peer_rule_ports |= ray_opened
+            else:
+                # Any other peer (the KubeRay operator) may reach the dashboard only.
+                assert ray_opened == {8265}, f"{peer} reaches {sorted(ray_opened)[:5]}"
+                assert peer["podSelector"]["matchLabels"] == {
+                    "app.kubernetes.io/name": "kuberay-operator"
+                }
+    assert peer_rule_ports == ray_ports  # Ray pods reach each other on all of Ray's ports
+
+    http_rules = [r for r in policy["ingress"] if HTTP_PORT in rule_ports(r)]
+    assert http_rules == [{"ports": [{"protocol": "TCP", "port": HTTP_PORT}]}]  # open to clients
+
+
+def test_network_policy_http_sources_can_be_restricted():
+    policy = one(
+        render("networkPolicy.httpFrom[0].namespaceSelector.matchLabels.team=apps"),
+        "NetworkPolicy",
+    )["spec"]
+    (http,) = [r for r in policy["ingress"] if HTTP_PORT in rule_ports(r)]
+    assert http["from"] == [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+
+
+def test_ray_start_params_pin_the_ports_the_policy_opens():
+    rs = one(render(), "RayService")
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    worker = worker_group(rs)["rayStartParams"]
+    assert head["port"] == "6379"
+    assert head["dashboard-port"] == "8265"
+    assert head["ray-client-server-port"] == "10001"
+    for params in (head, worker):
+        assert params["node-manager-port"] == "6380"
+        assert params["object-manager-port"] == "6381"
+        assert params["metrics-export-port"] == "8080"
+        assert (params["min-worker-port"], params["max-worker-port"]) == ("10002", "19999")
+
+
+@pytest.mark.parametrize("service_type", ["ClusterIP", "LoadBalancer", "NodePort"])
+def test_only_the_http_service_is_exposed(service_type):
+    docs = render(f"service.type={service_type}")
+    services = [d for d in docs if d["kind"] == "Service"]
+    assert len(services) == 1
+    (svc,) = services
+    assert svc["spec"]["type"] == service_type
+    assert [p["port"] for p in svc["spec"]["ports"]] == [HTTP_PORT]
+    assert svc["spec"]["selector"]["ray.io/node-type"] == "worker"
+    assert not [d for d in docs if d["kind"] in ("Ingress", "Route")]
+
+    head = one(docs, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["serviceType"] == "ClusterIP"
+    assert head["enableIngress"] is False
+
+
+# --- Ray token authentication --------------------------------------------------------------------
+
+
+def test_ray_token_auth_is_set_on_head_and_workers():
+    docs = render("rayAuth.token=tok-abc-123")
+    rs = one(docs, "RayService")
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    auth = rs["spec"]["rayClusterConfig"]["authOptions"]
+    assert auth["mode"] == "token"
+    assert base64.b64decode(secrets[auth["secretName"]]["data"]["auth_token"]) == b"tok-abc-123"
+
+    specs = pod_specs(rs)
+    assert set(specs) == {"head", "gpu-workers"}
+    for name, template in specs.items():
+        env = env_of(ray_container(template))
+        assert env["RAY_AUTH_MODE"]["value"] == "token", name
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": auth["secretName"], "key": "auth_token"}, name
+
+
+def test_ray_token_auth_can_use_an_existing_secret():
+    docs = render("rayAuth.existingSecret=team-ray-token")
+    rs = one(docs, "RayService")
+    assert "team-ray-token" not in {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
+    assert rs["spec"]["rayClusterConfig"]["authOptions"]["secretName"] == "team-ray-token"
+    for template in pod_specs(rs).values():
+        ref = env_of(ray_container(template))["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "team-ray-token"
+
+
+def test_generated_ray_token_is_long_and_random():
+    tokens = set()
+    for i in range(2):
+        docs = render(f"podLabels.try=r{i}")
+        (secret,) = [d for d in docs if d["kind"] == "Secret" and "auth_token" in d["data"]]
+        tokens.add(base64.b64decode(secret["data"]["auth_token"]))
+    assert len(tokens) == 2 and all(len(t) >= 32 for t in tokens)
+
+
+# --- graceful drain ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grace, shutdown", [(None, None), (45, 5), (0, 10)])
+def test_termination_grace_and_prestop_follow_the_drain_grace_period(grace, shutdown):
+    sets = []
+    if grace is not None:
+        sets = [f"drain.gracePeriodSeconds={grace}", f"drain.shutdownSeconds={shutdown}"]
+    else:
+        grace, shutdown = 30, 10  # chart defaults
+    rs = one(render(*sets), "RayService")
+    for name, template in pod_specs(rs).items():
+        assert template["spec"]["terminationGracePeriodSeconds"] == grace + shutdown, name
+        command = ray_container(template)["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[-1] == f"sleep {grace}", name
