@@ -1,0 +1,7 @@
+"""Model layer: Llama-family model, slot KV cache, attention backends, loaders, TP, runner."""
+
+from pipeline.models.config import ModelConfig
+from pipeline.models.kv_cache import CacheFullError, KVCache
+from pipeline.models.runner import ModelRunner
+
+__all__ = ["CacheFullError", "KVCache", "ModelConfig", "ModelRunner"]

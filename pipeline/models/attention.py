@@ -1,0 +1,184 @@
+"""Attention over the slot KV cache, behind one switch: torch SDPA or vllm-flash-attn.
+
+Tokens of one forward are flat: run i of the batch holds `q_lens[i]` new tokens of slot
+`slots[i]` at positions `starts[i] .. starts[i] + q_lens[i] - 1`. `build_metadata` turns
+that into everything the kernels need, once per forward (not per layer).
+
+- "sdpa": `torch.nn.functional.scaled_dot_product_attention`, any device. Runs are padded
+  to [B, T]; a boolean mask [B, 1, T, Lk] gives causal order and hides keys past each
+  slot's length. Decode steps (T == 1) fold the GQA group into the query axis so one
+  matmul per KV head serves all its query heads, and need no causal mask.
+- "flash": `vllm_flash_attn.flash_attn_varlen_func` on CUDA, reading the slot cache as a
+  paged cache whose page is a whole slot (`block_table = slots[:, None]`, `seqused_k` =
+  lengths). Causal masking is bottom-right aligned there, which is what a run appended
+  at the end of its slot needs. Importing this module never imports flash-attn.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "sdpa", "flash")
+FLASH_PAGE_MULTIPLE = 16  # vllm-flash-attn paged KV wants block sizes divisible by 16
+
+
+def flash_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm_flash_attn") is not None
+
+
+def resolve_backend(backend: str, device: str | torch.device, dtype: torch.dtype) -> str:
+    """'auto' -> 'flash' only on CUDA with vllm-flash-attn installed and a 16-bit dtype."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    on_cuda = torch.device(device).type == "cuda"
+    if backend == "auto":
+        half = dtype in (torch.float16, torch.bfloat16)
+        return "flash" if on_cuda and half and flash_available() else "sdpa"
+    if backend == "flash":
+        if not on_cuda or not flash_available():
+            raise ValueError("attention backend 'flash' needs a CUDA device and the "
+                             "vllm-flash-attn package")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention backend 'flash' needs float16/bfloat16, got {dtype}")
+    return backend
+
+
+@dataclass
+class AttnMetadata:
+    backend: str
+    batch: int                      # B runs
+    max_q: int                      # T = longest run
+    max_k: int                      # Lk = longest slot length after this forward
+    slots: torch.Tensor             # [B] long
+    write_idx: torch.Tensor         # [N] long, slot * capacity + position, into a flat cache
+    positions: torch.Tensor         # [N] long, position of each new token in its slot
+    slot_start: int | None = None   # slots are start..start+B-1: slice the cache, no gather
+    pad_idx: torch.Tensor | None = None   # [N] long into B*T; None when all runs have length T
+    mask: torch.Tensor | None = None      # [B, 1, T, Lk] bool, True = attend
+    causal: bool = False            # sdpa: one run from position 0, use is_causal instead of mask
+    # flash only
+    cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32
+    seqused_k: torch.Tensor | None = None     # [B] int32
+    block_table: torch.Tensor | None = None   # [B, 1] int32
+
+
+def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: list[int],
+                   capacity: int, device: torch.device | str) -> AttnMetadata:
+    """Per-forward attention inputs. `starts[i]` is slot i's length before this forward."""
+    b = len(slots)
+    t = max(q_lens)
+    k_lens = [s + q for s, q in zip(starts, q_lens)]
+    lk = max(k_lens)
+    uniform = all(q == t for q in q_lens)
+    slots_t = torch.tensor(slots, dtype=torch.long)
+    starts_t = torch.tensor(starts, dtype=torch.long)
+    if uniform:
+        positions = (starts_t[:, None] + torch.arange(t)).reshape(-1)
+        tok_slot = slots_t.repeat_interleave(t)
+        pad_idx = None
+    else:
+        q_lens_t = torch.tensor(q_lens, dtype=torch.long)
+        row = torch.arange(b).repeat_interleave(q_lens_t)
+        offsets = torch.cumsum(q_lens_t, 0) - q_lens_t
+        within = torch.arange(int(q_lens_t.sum())) - offsets[row]
+        positions = starts_t[row] + within
+        tok_slot = slots_t[row]
+        pad_idx = (row * t + within).to(device)
+    meta = AttnMetadata(
+        backend=backend, batch=b, max_q=t, max_k=lk, slots=slots_t.to(device),
+        write_idx=(tok_slot * capacity + positions).to(device), positions=positions.to(device),
+        pad_idx=pad_idx,
+    )
+    if slots == list(range(slots[0], slots[0] + b)):
+        meta.slot_start = slots[0]
+    if backend == "flash":
+        cu = torch.zeros(b + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+        meta.cu_seqlens_q = cu.to(device)
+        meta.seqused_k = torch.tensor(k_lens, dtype=torch.int32, device=device)
+        meta.block_table = slots_t.to(torch.int32)[:, None].to(device)
+        return meta
+    if t == 1 and all(k == lk for k in k_lens):
+        return meta  # decode, same lengths: every cached key is visible
+    if b == 1 and starts[0] == 0:
+        meta.causal = True
+        return meta
+    q_pos = starts_t[:, None] + torch.arange(t)                     # [B, T]
+    k_pos = torch.arange(lk)                                        # [Lk]
+    k_lens_t = torch.tensor(k_lens, dtype=torch.long)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < k_lens_t[:, None, None])
+    meta.mask = mask[:, None].to(device)
+    return meta
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttnMetadata) -> None:
+    """Store new keys/values k, v [N, KH, D] into caches [S, C, KH, D] at meta.write_idx."""
+    s, c, kh, d = k_cache.shape
+    k_cache.view(s * c, kh, d).index_copy_(0, meta.write_idx, k)
+    v_cache.view(s * c, kh, d).index_copy_(0, meta.write_idx, v)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
+           scale: float) -> torch.Tensor:
+    """q [N, H, D] against the cache (new KV already written) -> [N, H*D]."""
+    if meta.backend == "flash":
+        return _attend_flash(q, k_cache, v_cache, meta, scale)
+    return _attend_sdpa(q, k_cache, v_cache, meta, scale)
+
+
+def _gather(cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    """[S, C, KH, D] -> [B, KH, Lk, D] for this batch's slots (a view when contiguous)."""
+    if meta.slot_start is not None:
+        part = cache[meta.slot_start:meta.slot_start + meta.batch, :meta.max_k]
+    else:
+        part = cache[:, :meta.max_k].index_select(0, meta.slots)
+    return part.transpose(1, 2)
+
+
+def _attend_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttnMetadata, scale: float) -> torch.Tensor:
+    _n, h, d = q.shape
+    kh = k_cache.shape[2]
+    b, t = meta.batch, meta.max_q
+    if meta.pad_idx is not None:
+        qp = q.new_zeros(b * t, h, d)
+        qp[meta.pad_idx] = q
+    else:
+        qp = q
+    k = _gather(k_cache, meta)
+    v = _gather(v_cache, meta)
+    mask = meta.mask
+    if t == 1:
+        # Decode: put a KV head's query heads on the query axis -> [B, KH, G, D].
+        g = h // kh
+        qg = qp.view(b, kh, g, d)
+        if mask is not None:
+            mask = mask.expand(b, 1, g, meta.max_k)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        out = out.reshape(b, h * d)
+    else:
+        qh = qp.view(b, t, h, d).transpose(1, 2)                        # [B, H, T, D]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, is_causal=meta.causal,
+                                             scale=scale, enable_gqa=kh != h)
+        out = out.transpose(1, 2).reshape(b * t, h * d)
+    if meta.pad_idx is not None:
+        out = out[meta.pad_idx]
+    return out
+
+
+def _attend_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttnMetadata, scale: float) -> torch.Tensor:
+    from vllm_flash_attn import flash_attn_varlen_func  # CUDA only; checked in resolve_backend
+
+    out = flash_attn_varlen_func(
+        q, k_cache, v_cache,
+        max_seqlen_q=meta.max_q, cu_seqlens_q=meta.cu_seqlens_q,
+        max_seqlen_k=meta.max_k, seqused_k=meta.seqused_k,
+        block_table=meta.block_table, softmax_scale=scale, causal=True,
+    )
+    return out.reshape(q.shape[0], -1)

@@ -1,0 +1,170 @@
+"""Llama-family causal LM written for serving (SmolLM2, Llama 2/3, Qwen2).
+
+Read bottom-up: RoPE, RMSNorm, attention, MLP, block, model. Tokens are flat: one
+forward takes every new token of every request in the batch (a long prefill, a k+1 verify
+run and 1-token decodes mixed), with positions, the KV cache and the attention metadata
+passed in explicitly. No torch.distributed here: tensor parallelism is applied from the
+outside by `pipeline.models.tp.apply_tp`, which shards the projections and adds the
+all-reduce after the row-parallel ones.
+
+Fused projections: `wqkv` = [q; k; v] rows and `w_gate_up` = [gate; up] rows, one matmul
+each (fewer kernel launches per token, which is most of a small model's decode time).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.attention import AttnMetadata, attend, write_kv
+from pipeline.models.config import ModelConfig
+from pipeline.models.kv_cache import KVCache
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies, with Llama-3 scaling when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv
+    factor = float(rs["factor"])
+    low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    old_len = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """cos/sin table [max_pos, head_dim] (halves repeated, HF `rotate_half` layout), grown on use."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.inv_freq = rope_inv_freq(config)
+        self.cos = torch.empty(0, device="cpu")
+        self.sin = torch.empty(0, device="cpu")
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions [N] -> cos, sin [N, 1, head_dim] in `dtype`."""
+        need = int(positions.max()) + 1
+        if self.cos.shape[0] < need or self.cos.device != positions.device or \
+                self.cos.dtype != dtype:
+            size = max(need, 2 * self.cos.shape[0], 2048)
+            freqs = torch.outer(torch.arange(size, dtype=torch.float32, device="cpu"), self.inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.cos = emb.cos().to(dtype=dtype, device=positions.device)
+            self.sin = emb.sin().to(dtype=dtype, device=positions.device)
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D]; cos, sin [N, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Half precision: normalise in float32, scale in the model dtype (as HF does).
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # Head counts are per rank: apply_tp divides them.
+        self.n_heads = config.num_heads
+        self.n_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.wo = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        hd, q_size, kv_size = self.head_dim, self.n_heads * self.head_dim, \
+            self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(n, self.n_heads, hd), cos, sin)
+        k = apply_rope(k.view(n, self.n_kv_heads, hd), cos, sin)
+        write_kv(k_cache, v_cache, k, v.view(n, self.n_kv_heads, hd), meta)
+        return self.wo(attend(q, k_cache, v_cache, meta, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size  # per rank after apply_tp
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder + LM head. `lm_head` is None when embeddings are tied (reads `embed.weight`)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else \
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config)
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.layers[0].attn.n_kv_heads
+
+    @property
+    def local_heads(self) -> int:
+        return self.layers[0].attn.n_heads
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                attn_metadata: AttnMetadata, logits_idx: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """input_ids, positions [N] -> logits [N, vocab] (or [len(logits_idx), vocab])."""
+        x = self.embed(input_ids)
+        cos, sin = self.rotary.lookup(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], attn_metadata)
+        if logits_idx is not None:
+            x = x[logits_idx]
+        x = self.norm(x)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head)

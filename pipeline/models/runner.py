@@ -1,0 +1,110 @@
+"""ModelRunner: the engine's handle on one model replica (or one tensor-parallel rank).
+
+It owns the KV cache and turns `forward(slots, runs)` into one batched model call:
+run i is appended to slot i at its committed length, its KV is written, the slot length
+advances, and the logits of every new token come back. Rolling back rejected drafts is
+`truncate`, a length update.
+
+Under tensor parallelism every rank builds a runner over its `apply_tp`-sharded model and
+calls the same methods with the same arguments in lockstep; slot allocation is
+deterministic (lowest free slot first), so all ranks agree on slot ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from pipeline.models.attention import FLASH_PAGE_MULTIPLE, build_metadata, resolve_backend
+from pipeline.models.config import ModelConfig
+from pipeline.models.kv_cache import CacheFullError, KVCache
+
+__all__ = ["CacheFullError", "ModelRunner"]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, num_slots: int, max_len: int,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 backend: str = "auto") -> None:
+        self.config = config
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.vocab_size = config.vocab_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.backend = resolve_backend(backend, self.device, dtype)
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.tokenizer = None  # set by load_runner when the source has one
+        self.cache = KVCache(
+            num_layers=config.num_layers, num_slots=num_slots, max_len=max_len,
+            num_kv_heads=model.local_kv_heads, head_dim=config.head_dim, dtype=dtype,
+            device=self.device,
+            capacity_multiple=FLASH_PAGE_MULTIPLE if self.backend == "flash" else 1,
+        )
+
+    # --- slots -------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A new slot with length 0; CacheFullError when none is free."""
+        return self.cache.allocate()
+
+    def free(self, slot: int) -> None:
+        self.cache.free(slot)
+
+    def num_free(self) -> int:
+        return self.cache.num_free
+
+    def length(self, slot: int) -> int:
+        self.cache.check_owned(slot)
+        return self.cache.lengths[slot]
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Rollback: committed length := length (<= current)."""
+        self.cache.truncate(slot, length)
+
+    # --- forward -----------------------------------------------------------------------
+    def forward(self, slots: list[int], runs: list[list[int]],
+                last_only: bool = False) -> list[torch.Tensor]:
+        """Append run i at slot i's length; return per-run float32 logits [len(run), vocab].
+
+        `last_only=True` returns only each run's last row ([1, vocab]): a prefill that
+        needs just the next token skips the LM head for the rest of the prompt.
+        """
+        starts = self._validate(slots, runs)
+        q_lens = [len(r) for r in runs]
+        ids = torch.tensor(list(itertools.chain.from_iterable(runs)), dtype=torch.long)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"token id {bad} out of vocabulary [0, {self.vocab_size})")
+        meta = build_metadata(self.backend, slots, starts, q_lens, self.cache.capacity,
+                              self.device)
+        logits_idx = None
+        if last_only:
+            logits_idx = torch.tensor(list(itertools.accumulate(q_lens)), device=self.device) - 1
+        with torch.inference_mode():
+            logits = self.model(ids.to(self.device), meta.positions, self.cache, meta,
+                                logits_idx=logits_idx).float()
+        for slot, n in zip(slots, q_lens):
+            self.cache.lengths[slot] += n
+        if last_only:
+            return list(logits.split(1))
+        return list(logits.split(q_lens))
+
+    def _validate(self, slots: list[int], runs: list[list[int]]) -> list[int]:
+        if len(slots) != len(runs):
+            raise ValueError(f"forward: {len(slots)} slots but {len(runs)} runs")
+        if not slots:
+            raise ValueError("forward: empty batch")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"forward: a slot appears twice in {slots}")
+        starts = []
+        for slot, run in zip(slots, runs):
+            self.cache.check_owned(slot)
+            if len(run) == 0:
+                raise ValueError(f"forward: empty run for slot {slot}")
+            start = self.cache.lengths[slot]
+            if start + len(run) > self.max_len:
+                raise ValueError(f"forward: slot {slot} would hold {start + len(run)} tokens, "
+                                 f"over max_len {self.max_len}")
+            starts.append(start)
+        return starts
