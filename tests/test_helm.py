@@ -8,7 +8,6 @@ these tests fail rather than skip. The RayService is validated against the KubeR
 from __future__ import annotations
 
 import base64
-import copy
 import shlex
 import shutil
 import subprocess
@@ -262,7 +261,11 @@ def test_rendered_rayservice_validates_against_the_kuberay_crd(sets):
     [
         (("spec", "rayClusterConfig", "workerGroupSpecs", 0, "replicas"), "two", "replicas"),
         (("spec", "rayClusterConfig", "authOptions", "mode"), "password", "mode"),
-        (("spec", "rayClusterConfig", "headGroupSpec", "template", "spec", "nodeSelectr"), {}, "nodeSelectr"),
+        (
+            ("spec", "rayClusterConfig", "headGroupSpec", "template", "spec", "nodeSelectr"),
+            {},
+            "nodeSelectr",
+        ),
     ],
 )
 def test_crd_validation_rejects_a_broken_rayservice(path, value, field):
@@ -312,10 +315,8 @@ def test_values_schema_rejects_bad_values(bad, message):
 
 
 def test_tensor_parallel_size_beyond_the_gpus_fails():
-    out = helm(
-        "template", RELEASE, str(CHART), "--set", "specrelay.tensorParallelSize=4",
-        "--set", "worker.gpus=1", "--set", "worker.replicas=2",
-    )
+    sets = ["specrelay.tensorParallelSize=4", "worker.gpus=1", "worker.replicas=2"]
+    out = helm("template", RELEASE, str(CHART), *(a for s in sets for a in ("--set", s)))
     assert out.returncode != 0
     assert "tensorParallelSize (4)" in out.stderr and "has 2" in out.stderr
 
