@@ -69,9 +69,9 @@ def test_long_sequence_is_cheap_and_correct():
     assert propose_ngram(tokens, k=4) == tokens[199_003:199_007].tolist()
 
 
-@pytest.mark.parametrize("bad", [dict(k=-1), dict(min_n=0), dict(min_n=3, max_n=2), dict(window=1)])
+@pytest.mark.parametrize("bad", [{"k": -1}, {"min_n": 0}, {"min_n": 3, "max_n": 2}, {"window": 1}])
 def test_invalid_arguments_raise(bad):
-    kwargs = dict(k=2) | bad
+    kwargs = {"k": 2} | bad
     with pytest.raises(ValueError):
         propose_ngram(_arr([1, 2, 1]), **kwargs)
 
@@ -95,9 +95,7 @@ def _reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     min_n=st.integers(1, 3),
     extra=st.integers(0, 3),
 )
-def test_proposal_is_a_real_continuation_of_the_longest_most_recent_match(
-    tokens, k, min_n, extra
-):
+def test_proposal_is_a_real_continuation_of_the_longest_most_recent_match(tokens, k, min_n, extra):
     max_n = min_n + extra
     proposal = propose_ngram(_arr(tokens), k, min_n=min_n, max_n=max_n)
     assert proposal == _reference(tokens, k, min_n, max_n)
@@ -109,5 +107,5 @@ def test_proposal_is_a_real_continuation_of_the_longest_most_recent_match(
             tokens[i : i + n] == tokens[length - n :]
             and tokens[i + n : i + n + len(proposal)] == proposal
             for n in range(min_n, max_n + 1)
-            for i in range(0, length - n)
+            for i in range(length - n)
         )
