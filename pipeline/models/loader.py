@@ -241,7 +241,7 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                                                 "attn_q.bias", "attn_k.bias")):
             kv = t.name.endswith(("attn_k.weight", "attn_k.bias"))
             w = unpermute_rope_rows(w, config.num_kv_heads if kv else config.num_heads)
-        tensors[hf] = torch.from_numpy(np.ascontiguousarray(w))
+        tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
     return config, tensors
 
 

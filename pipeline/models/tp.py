@@ -1,0 +1,102 @@
+"""Tensor parallelism applied from outside the model (as gpt-fast's `apply_tp`).
+
+`apply_tp(model, rank, world_size)` rewrites a built `LlamaModel` in place:
+- column-parallel: `wqkv` keeps this rank's query heads and KV heads (q, k and v rows are
+  sharded separately, then re-fused); `w_gate_up` keeps this rank's gate and up rows.
+- row-parallel: `wo` and `w_down` keep the matching input columns; a forward hook sums
+  the partial outputs of the attention and MLP modules across ranks with `all_reduce`.
+- embeddings, norms and the LM head stay replicated (every rank computes full logits).
+
+Every rank must then call the model (through its ModelRunner) with identical arguments
+in lockstep; the KV cache of each rank holds only its own KV heads.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.models.config import ModelConfig
+from pipeline.models.llama import LlamaModel
+
+
+def init_distributed(rank: int, world_size: int, init_method: str,
+                     backend: str | None = None, timeout_s: float = 300.0) -> str:
+    """Join the process group: NCCL when CUDA is available, gloo otherwise. Returns the
+    backend used. `init_method` is e.g. "tcp://10.0.0.1:29500" or "file:///tmp/tp_init"."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return backend
+
+
+def check_tp(config: ModelConfig, world_size: int) -> None:
+    """ValueError naming the first dimension that does not divide by `world_size`."""
+    if world_size < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, got {world_size}")
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        value = getattr(config, name)
+        if value % world_size:
+            raise ValueError(f"tensor parallel size {world_size} does not divide "
+                             f"{name}={value}")
+
+
+def _rows(w: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
+    """Split w's rows into parts of `sizes`, keep this rank's 1/world of each, re-fuse."""
+    return torch.cat([part.chunk(world, dim=0)[rank] for part in w.split(sizes, dim=0)])
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                    device="meta", dtype=weight.dtype)
+    # Copies, so the full unsharded tensors can be freed.
+    lin.weight = nn.Parameter(weight.clone(memory_format=torch.contiguous_format),
+                              requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.clone(), requires_grad=False)
+    return lin
+
+
+def _all_reduce_hook(group: dist.ProcessGroup | None):
+    def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group)
+        return output
+    return hook
+
+
+def apply_tp(model: LlamaModel, rank: int, world_size: int,
+             group: dist.ProcessGroup | None = None) -> LlamaModel:
+    """Shard `model` for `rank` of `world_size` (in place); see the module docstring."""
+    cfg = model.config
+    check_tp(cfg, world_size)
+    if world_size == 1:
+        return model
+    if not 0 <= rank < world_size:
+        raise ValueError(f"tensor parallel rank {rank} not in 0..{world_size - 1}")
+    d = cfg.head_dim
+    qkv_sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+    with torch.no_grad():
+        for layer in model.layers:
+            attn, mlp = layer.attn, layer.mlp
+            bias = attn.wqkv.bias
+            attn.wqkv = _linear(_rows(attn.wqkv.weight, qkv_sizes, rank, world_size),
+                                None if bias is None else
+                                _rows(bias, qkv_sizes, rank, world_size))
+            attn.wo = _linear(attn.wo.weight.chunk(world_size, dim=1)[rank], None)
+            attn.n_heads = cfg.num_heads // world_size
+            attn.n_kv_heads = cfg.num_kv_heads // world_size
+            inter = cfg.intermediate_size
+            mlp.w_gate_up = _linear(_rows(mlp.w_gate_up.weight, [inter, inter], rank,
+                                          world_size), None)
+            mlp.w_down = _linear(mlp.w_down.weight.chunk(world_size, dim=1)[rank], None)
+            mlp.intermediate = inter // world_size
+            attn.register_forward_hook(_all_reduce_hook(group))
+            mlp.register_forward_hook(_all_reduce_hook(group))
+    model.tp_rank, model.tp_size = rank, world_size
+    return model
