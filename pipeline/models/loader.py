@@ -136,7 +136,7 @@ def _hf_tokenizer(path: str) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 # --- GGUF ------------------------------------------------------------------------------
@@ -249,4 +249,4 @@ def _gguf_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                         gguf_file=os.path.basename(path))
+                                         gguf_file=os.path.basename(path), local_files_only=True)

@@ -36,6 +36,7 @@ class ModelRunner:
         self.backend = resolve_backend(backend, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.tokenizer = None  # set by load_runner when the source has one
+        self.chat_template: str | None = None
         self.cache = KVCache(
             num_layers=config.num_layers, num_slots=num_slots, max_len=max_len,
             num_kv_heads=model.local_kv_heads, head_dim=config.head_dim, dtype=dtype,
