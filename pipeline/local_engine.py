@@ -1,0 +1,113 @@
+"""The whole engine in one process (no Ray): the step loop over local stage objects.
+
+Used by fast tests and benchmarks; TP needs one process per rank, so it is Ray-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import EngineConfig
+from pipeline.drafting import build_proposer, draft_step
+from pipeline.engine_core import EngineCore
+from pipeline.params import SamplingParams
+from pipeline.proposers.base import Proposer
+from pipeline.request_output import RequestOutput
+from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
+from pipeline.verifier import Verifier
+
+
+class LocalStages:
+    """Stages as plain objects: a proposer, a single-rank verifier and an output processor."""
+
+    def __init__(self, proposer: Proposer, verifier: Verifier, output: Any) -> None:
+        self.proposer = proposer
+        self.verifier = verifier
+        self.output = output
+
+    def add_requests(self, new: list[NewRequest], traceparents: list[str | None]) -> None:
+        for req in new:
+            self.output.add_request(req.rid, req.prompt_ids, req.params)
+
+    async def run_step(self, plan: StepPlan) -> StepOutcome:
+        outcome = self.verifier.step(plan, draft_step(self.proposer, plan))
+        assert outcome is not None  # a driver verifier always returns one
+        return outcome
+
+    async def process(self, payload: bytes) -> list[RequestOutput]:
+        return self.output.process(payload)
+
+    async def abort(self, rid: str) -> RequestOutput | None:
+        return self.output.abort(rid)
+
+    async def dropped_steps(self) -> int:
+        return int(self.output.dropped_steps)
+
+
+def make_output_processor(tokenizer: Any, eos_token_ids: list[int]) -> Any:
+    from pipeline.output import OutputProcessor
+
+    return OutputProcessor(tokenizer, eos_token_ids)
+
+
+def engine_eos_ids(runner: Any) -> list[int]:
+    """EOS ids from the tokenizer when there is one, else from the model config."""
+    if runner.tokenizer is not None and hasattr(runner.tokenizer, "get_vocab"):
+        from pipeline.tokenizer import eos_token_ids
+
+        return eos_token_ids(runner.tokenizer)
+    return list(runner.config.eos_token_ids)
+
+
+def build_local_engine(config: EngineConfig) -> EngineCore:
+    """An EngineCore over in-process stages (tensor_parallel_size must be 1)."""
+    from pipeline.runners import build_runner
+
+    if config.tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size: the in-process engine runs one rank; use Ray")
+    runner = build_runner(config, "target")
+    output = make_output_processor(runner.tokenizer, engine_eos_ids(runner))
+    stages = LocalStages(build_proposer(config), Verifier(runner), output)
+    return EngineCore(config, stages, runner.vocab_size)
+
+
+@dataclass
+class Completion:
+    """A request's deltas folded together (for tests, the CLI and benchmarks)."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    matched_stop: int | str | None
+    logprobs: list[float] | None
+    last: RequestOutput
+
+
+def fold(deltas: list[RequestOutput]) -> Completion:
+    tokens: list[int] = []
+    text = ""
+    logprobs: list[float] | None = None
+    for d in deltas:
+        tokens += d.token_ids
+        text += d.text
+        if d.logprobs is not None:
+            logprobs = (logprobs or []) + list(d.logprobs)
+    last = deltas[-1]
+    return Completion(last.rid, tokens, text, last.finish_reason, last.matched_stop, logprobs,
+                      last)
+
+
+async def collect(core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]]
+                  ) -> dict[str, Completion]:
+    """Submit all requests, run until each finished, fold their deltas."""
+
+    async def one(rid: str, prompt: list[int], params: SamplingParams) -> Completion:
+        stream = core.add_request(rid, prompt, params)
+        return fold([d async for d in stream])
+
+    core.start()
+    results = await asyncio.gather(*(one(*r) for r in requests))
+    return {c.rid: c for c in results}

@@ -1,0 +1,55 @@
+"""The one drafting interface the engine talks to, whatever produces the drafts.
+
+Invariants every proposer keeps:
+- a request's sequence is its prompt plus every token `commit` gave it, in order;
+- `propose` never changes that sequence (drafts are tentative); `commit` makes the accepted
+  tokens part of it and discards whatever was drafted beyond them (the rollback);
+- `propose(rids, ks)` returns at most `ks[i]` tokens for request i (0 is allowed: no drafts).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.params import SamplingParams
+
+
+@dataclass
+class Proposal:
+    """Drafts for one step, aligned with the rids the step asked for.
+
+    `probs[i]` is the draft distribution q each token of `tokens[i]` was sampled from
+    ([len(tokens[i]), vocab], float32) when the proposer sampled; None means the drafts are
+    deterministic (a point mass on each token: greedy draft models, n-gram lookup)."""
+
+    tokens: list[list[int]]
+    probs: list[torch.Tensor | None] | None = None
+
+    @property
+    def num_drafted(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Start tracking a request (its sequence is the prompt)."""
+
+    @abstractmethod
+    def propose(self, rids: list[str], ks: list[int]) -> Proposal:
+        """Up to ks[i] draft tokens continuing request i's sequence."""
+
+    @abstractmethod
+    def commit(self, rid: str, tokens: list[int]) -> None:
+        """Append a step's accepted tokens (accepted drafts, then the target's token)."""
+
+    @abstractmethod
+    def remove(self, rid: str) -> None:
+        """Forget a request and free what it held; unknown rids are ignored."""
+
+    def num_free(self) -> int | None:
+        """Free request slots, or None when the proposer has no slot limit."""
+        return None

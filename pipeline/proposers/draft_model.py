@@ -1,0 +1,98 @@
+"""A small draft model with its own KV cache proposes k tokens autoregressively.
+
+The draft cache holds a prefix of the request's sequence (`cached` tokens) plus, after a
+propose, the drafts it fed back in. `commit` keeps the part of that cache that the accepted
+tokens confirmed, so rollback is a length update (ModelRunner.truncate), never a recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.models.runner import ModelRunner
+from pipeline.params import SamplingParams
+from pipeline.proposers.base import Proposal, Proposer
+from pipeline.sampling import STREAM_DRAFT, SamplingTensors, sample_tokens
+
+
+@dataclass
+class _DraftSeq:
+    slot: int
+    params: SamplingParams
+    num_prompt: int
+    tokens: list[int]  # prompt + committed output
+    cached: int = 0  # tokens[:cached] are in the draft KV cache (and nothing after them)
+    drafted: list[int] = field(default_factory=list)  # drafts fed into the cache past `cached`
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._seqs: dict[str, _DraftSeq] = {}
+
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if rid in self._seqs:
+            raise ValueError(f"draft: request {rid!r} already added")
+        slot = self.runner.allocate()
+        self._seqs[rid] = _DraftSeq(slot, params, len(prompt_ids), list(prompt_ids))
+
+    def num_free(self) -> int | None:
+        return self.runner.num_free()
+
+    def propose(self, rids: list[str], ks: list[int]) -> Proposal:
+        tokens: list[list[int]] = [[] for _ in rids]
+        probs: list[list[torch.Tensor]] = [[] for _ in rids]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        # Step 0 feeds each request's uncached suffix (its whole prompt the first time);
+        # later steps feed back the previous draft, only for requests that want more.
+        runs = {i: self._seqs[rids[i]].tokens[self._seqs[rids[i]].cached:] for i in active}
+        depth = 0
+        while active:
+            seqs = [self._seqs[rids[i]] for i in active]
+            logits = self.runner.forward([s.slot for s in seqs], [runs[i] for i in active])
+            last = torch.cat([lg[-1:] for lg in logits])  # [B, vocab]
+            sampling = SamplingTensors.from_params([s.params for s in seqs])
+            offsets = [len(s.tokens) - s.num_prompt + depth for s in seqs]
+            picked, q = sample_tokens(last, sampling, offsets, STREAM_DRAFT)
+            for row, i in enumerate(active):
+                tokens[i].append(int(picked[row]))
+                probs[i].append(q[row])
+            for i in active:  # what the cache now holds past `cached`
+                if depth > 0:
+                    self._seqs[rids[i]].drafted.append(runs[i][0])
+            depth += 1
+            active = [i for i in active if len(tokens[i]) < ks[i]]
+            runs = {i: [tokens[i][-1]] for i in active}
+        # Greedy drafts are point masses: send no q (a [k, vocab] tensor per request per step).
+        out_probs = [None if self._seqs[rid].params.greedy else _stack(p, self.runner.vocab_size)
+                     for rid, p in zip(rids, probs)]
+        return Proposal(tokens=tokens, probs=out_probs)
+
+    def commit(self, rid: str, accepted: list[int]) -> None:
+        s = self._seqs[rid]
+        # The cache holds tokens[:len(tokens)] minus the uncached tail, then `drafted`.
+        # Keep the longest prefix of what it holds that the new sequence agrees with.
+        held = self.runner.length(s.slot)
+        old_len = len(s.tokens)
+        s.tokens.extend(accepted)
+        keep = min(held, old_len)
+        if held > old_len:  # the cache reached past the old sequence: the fed drafts
+            for d, a in zip(s.drafted, accepted):
+                if d != a:
+                    break
+                keep += 1
+        keep = min(keep, len(s.tokens) - 1)  # the newest token is always fed next time
+        self.runner.truncate(s.slot, keep)
+        s.cached = keep
+        s.drafted = []
+
+    def remove(self, rid: str) -> None:
+        s = self._seqs.pop(rid, None)
+        if s is not None:
+            self.runner.free(s.slot)
+
+
+def _stack(rows: list[torch.Tensor], vocab: int) -> torch.Tensor:
+    return torch.stack(rows) if rows else torch.zeros((0, vocab))

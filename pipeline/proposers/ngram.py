@@ -1,0 +1,55 @@
+"""Prompt lookup: draft the tokens that followed the latest earlier match of the sequence's tail
+(over prompt + output), which pays off when the output copies from the prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.ngram import propose_ngram
+from pipeline.params import SamplingParams
+from pipeline.proposers.base import Proposal, Proposer
+
+
+class NgramProposer(Proposer):
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self._seqs: dict[str, _TokenBuffer] = {}
+
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._seqs[rid] = _TokenBuffer(prompt_ids)
+
+    def propose(self, rids: list[str], ks: list[int]) -> Proposal:
+        tokens = []
+        for rid, k in zip(rids, ks):
+            if k <= 0:
+                tokens.append([])
+                continue
+            drafts = propose_ngram(self._seqs[rid].view(), k, self.min_n, self.max_n)
+            tokens.append([int(t) for t in drafts[:k]])
+        return Proposal(tokens=tokens)
+
+    def commit(self, rid: str, tokens: list[int]) -> None:
+        self._seqs[rid].extend(tokens)
+
+    def remove(self, rid: str) -> None:
+        self._seqs.pop(rid, None)
+
+
+class _TokenBuffer:
+    """A growable int64 array, so each lookup sees the sequence without a list -> array copy."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._buf = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
+        self._len = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        need = self._len + len(tokens)
+        if need > len(self._buf):
+            self._buf = np.concatenate([self._buf, np.zeros(need, dtype=np.int64)])
+        self._buf[self._len:need] = tokens
+        self._len = need
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self._len]

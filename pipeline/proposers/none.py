@@ -1,0 +1,20 @@
+"""k = 0: no drafts, so every step is plain target decoding through the same engine path."""
+
+from __future__ import annotations
+
+from pipeline.params import SamplingParams
+from pipeline.proposers.base import Proposal, Proposer
+
+
+class NoProposer(Proposer):
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        pass
+
+    def propose(self, rids: list[str], ks: list[int]) -> Proposal:
+        return Proposal(tokens=[[] for _ in rids])
+
+    def commit(self, rid: str, tokens: list[int]) -> None:
+        pass
+
+    def remove(self, rid: str) -> None:
+        pass

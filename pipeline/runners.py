@@ -1,0 +1,47 @@
+"""ModelRunners (target, one TP rank of it, or the draft) and the tokenizer for an EngineConfig."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import EngineConfig, is_tiny, resolve_source
+from pipeline.models.runner import ModelRunner
+
+
+def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
+                 tp_world: int = 1) -> ModelRunner:
+    """A runner over the target (`role="target"`, one TP shard when tp_world > 1) or the draft.
+
+    `tiny:<seed>` is the seeded random pair of pipeline.models.tiny: the draft is the target with
+    `draft_agreement_noise` weight noise, so each actor can build its half on its own."""
+    from pipeline.models.factory import load_runner
+
+    source = config.model if role == "target" else config.draft_model
+    if source is None:
+        raise ValueError(f"draft_model: no model source for role {role!r}")
+    noise = config.draft_agreement_noise if role == "draft" and is_tiny(source) else 0.0
+    runner = load_runner(
+        source if is_tiny(source) else resolve_source(source), num_slots=config.num_slots,
+        max_len=config.max_model_len, device=config.device, dtype=config.dtype,
+        backend=config.attention_backend, agreement_noise=noise, tp_rank=tp_rank,
+        tp_size=tp_world, load_tokenizer=role == "target",
+    )
+    if runner.tokenizer is None and is_tiny(source):
+        runner.tokenizer = tiny_tokenizer()
+    return runner
+
+
+def load_engine_tokenizer(config: EngineConfig) -> Any:
+    """The target's tokenizer without loading weights (for the output actor and the CLI)."""
+    if is_tiny(config.model):
+        return tiny_tokenizer()
+    from pipeline.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_source(config.model))
+
+
+def tiny_tokenizer() -> Any:
+    from pipeline.models.tiny import tiny_config
+    from pipeline.tiny_tokenizer import ByteTokenizer
+
+    return ByteTokenizer(tiny_config().eos_token_ids)

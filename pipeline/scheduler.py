@@ -1,0 +1,163 @@
+"""Continuous batching: a bounded FIFO waiting queue, a running set sized by the KV slots, and the
+per-step plan (who is prefilled, who is verified with how many drafts, whose slots are freed).
+
+Invariants:
+- a request holds one slot on every stage (target ranks, draft) from admission until the plan
+  after its finish/abort carries it in `release`; stages free before they allocate, so the
+  slot budget is `num_slots - len(running)` when a plan is built;
+- admission is FIFO and happens whenever slots are free (no request is passed over);
+- no verify writes past `max_model_len`, and none is scheduled once a request has as many
+  output tokens as it may keep (`max_output`); the output processor decides the finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from pipeline.errors import EngineOverloadedError
+from pipeline.params import SamplingParams
+from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class EngineRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams  # as given to the output processor (max_new_tokens capped)
+    status: Status = Status.WAITING
+    num_output: int = 0  # tokens generated so far (the engine's view: may run past a finish)
+    last_token: int = -1  # newest token; not yet in the target KV cache
+    pending: list[int] = field(default_factory=list)  # last step's tokens, not yet committed
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_prompt + self.num_output
+
+    @property
+    def kv_len(self) -> int:
+        return self.seq_len - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - self.num_output
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_waiting: int, max_model_len: int, k: int,
+                 vocab_size: int) -> None:
+        self.num_slots = num_slots
+        self.max_waiting = max_waiting
+        self.max_model_len = max_model_len
+        self.k = k
+        self.vocab_size = vocab_size
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: dict[str, EngineRequest] = {}
+        self._release: list[str] = []
+        self._step = 0
+
+    # --- requests in and out --------------------------------------------------------------
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """Queue a request; EngineOverloadedError when the waiting queue is full."""
+        if rid in self.running or any(r.rid == rid for r in self.waiting):
+            raise ValueError(f"request id {rid!r} is already in use")
+        self.check_prompt(prompt_ids)
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineOverloadedError(
+                f"waiting queue is full ({self.max_waiting} requests); retry later")
+        # The engine never writes past max_model_len, so the output may not either.
+        cap = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
+        params = dataclasses.replace(params, max_new_tokens=cap,
+                                     min_new_tokens=min(params.min_new_tokens, cap))
+        req = EngineRequest(rid, list(prompt_ids), params)
+        self.waiting.append(req)
+        return req
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt_ids: the prompt must have at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt_ids: {len(prompt_ids)} prompt tokens leave no room under "
+                             f"max_model_len {self.max_model_len}")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: token {bad[0]!r} is outside [0, {self.vocab_size})")
+
+    def finish(self, rid: str) -> EngineRequest | None:
+        """A finish notice or an abort: a waiting request is dropped, a running one's slots are
+        released with the next plan. Returns the request if it was still known."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.status = Status.FINISHED
+                return req
+        req = self.running.pop(rid, None)
+        if req is not None:
+            req.status = Status.FINISHED
+            self._release.append(rid)
+        return req
+
+    # --- one step -------------------------------------------------------------------------
+    def schedule(self, traceparent: str | None = None) -> StepPlan | None:
+        """The next step's plan (release, admit FIFO into free slots, verify the rest), or None
+        when there is nothing to run (state is then left untouched)."""
+        decode = [r for r in self.running.values() if self._steppable(r)]
+        admit = min(len(self.waiting), self.num_slots - len(self.running))
+        if not decode and admit <= 0:
+            return None
+        plan = StepPlan(step=self._step, release=self._release, traceparent=traceparent)
+        self._step += 1
+        self._release = []
+        for req in self.running.values():
+            if req.pending:
+                plan.commits[req.rid] = req.pending
+                req.pending = []
+        for req in decode:
+            plan.decode.append(req.rid)
+            plan.last_tokens.append(req.last_token)
+            plan.kv_lens.append(req.kv_len)
+            plan.num_outputs.append(req.num_output)
+            # No drafts past the output cap or past the slot's max_len.
+            plan.ks.append(max(0, min(self.k, req.remaining - 1,
+                                      self.max_model_len - req.seq_len)))
+        for _ in range(admit):
+            req = self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running[req.rid] = req
+            plan.new.append(NewRequest(req.rid, req.prompt_ids, req.params))
+        return plan
+
+    def _steppable(self, req: EngineRequest) -> bool:
+        # Done by the engine's count (its finish notice is on its way) or not prefilled yet.
+        return req.num_output > 0 and req.remaining > 0 and req.seq_len <= self.max_model_len
+
+    def apply(self, outcome: StepOutcome) -> None:
+        """Record what a step produced (requests finished meanwhile are skipped)."""
+        for rid, tokens in zip(outcome.rids, outcome.tokens):
+            req = self.running.get(rid)
+            if req is None:
+                continue
+            req.num_output += len(tokens)
+            req.last_token = tokens[-1]
+            req.pending.extend(tokens)
+
+    # --- views ----------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.num_slots - len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._release)

@@ -1,0 +1,54 @@
+"""What the engine tells the draft worker and every verifier rank for one step.
+
+Every stage keeps its own per-request state keyed by rid (slot, sequence), so a plan carries
+only ids and the few numbers that change per step. Order inside a stage: free `release`,
+register `new`, apply `commits`, then draft / verify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class StepPlan:
+    step: int
+    release: list[str] = field(default_factory=list)  # finished/aborted: free their slots first
+    new: list[NewRequest] = field(default_factory=list)  # prefill this step (drafted = 0)
+    decode: list[str] = field(default_factory=list)  # verify this step
+    last_tokens: list[int] = field(default_factory=list)  # per decode rid: newest token, not in KV
+    kv_lens: list[int] = field(default_factory=list)  # per decode rid: committed KV length
+    num_outputs: list[int] = field(default_factory=list)  # per decode rid: output tokens so far
+    ks: list[int] = field(default_factory=list)  # per decode rid: most drafts it may take
+    commits: dict[str, list[int]] = field(default_factory=dict)  # last step's tokens, per rid
+    traceparent: str | None = None
+
+    @property
+    def rids(self) -> list[str]:
+        """The step's requests in message order: prefills, then verifies."""
+        return [n.rid for n in self.new] + self.decode
+
+
+@dataclass
+class StepOutcome:
+    """What the engine needs back from a verify step (rank 0); the full message goes to the
+    output stage as `payload` (msgpack bytes)."""
+
+    step: int
+    rids: list[str]
+    tokens: list[list[int]]  # accepted drafts + target token, per rid (before finish truncation)
+    drafted: list[int]
+    payload: bytes = b""
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(len(t) - 1 for t, d in zip(self.tokens, self.drafted) if d > 0)

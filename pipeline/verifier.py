@@ -1,0 +1,145 @@
+"""The target side of a step: prefill new requests, verify drafts, build the step message.
+
+Every tensor-parallel rank runs `Verifier.step` with the same plan in lockstep (the model's
+collectives pair up); only the driver rank (rank 0) runs acceptance and encodes the message.
+KV commit is lazy and identical on every rank: a verify appends [last token + drafts], and the
+next plan's `kv_lens` truncates each slot back to prefix + accepted tokens before the forward,
+so ranks never need to exchange acceptance results.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from pipeline.acceptance import AcceptanceResult, accept
+from pipeline.models.runner import ModelRunner
+from pipeline.params import SamplingParams
+from pipeline.proposers.base import Proposal
+from pipeline.protocol import StepColumns, encode_columns
+from pipeline.sampling import SamplingTensors
+from pipeline.step_plan import StepOutcome, StepPlan
+
+
+class Verifier:
+    def __init__(self, runner: ModelRunner, driver: bool = True,
+                 generator: torch.Generator | None = None) -> None:
+        self.runner = runner
+        self.driver = driver
+        self.generator = generator
+        self._slots: dict[str, int] = {}
+        self._params: dict[str, SamplingParams] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self._slots)
+
+    def release(self, rids: list[str]) -> None:
+        for rid in rids:
+            slot = self._slots.pop(rid, None)
+            self._params.pop(rid, None)
+            if slot is not None:
+                self.runner.free(slot)
+
+    def step(self, plan: StepPlan, proposal: Proposal | None) -> StepOutcome | None:
+        """Run one step; the driver returns its outcome (with the encoded message)."""
+        self.release(plan.release)
+        for new in plan.new:
+            if new.rid in self._slots:
+                raise ValueError(f"verifier: request {new.rid!r} is already running")
+            self._slots[new.rid] = self.runner.allocate()
+            self._params[new.rid] = new.params
+        drafts = self._drafts(plan, proposal)
+        logits = self._forward(plan, drafts)
+        if not self.driver:
+            return None
+        params = [self._params[rid] for rid in plan.rids]
+        positions = [0] * len(plan.new) + list(plan.num_outputs)
+        all_drafts = [[] for _ in plan.new] + drafts
+        q = self._draft_probs(plan, proposal, all_drafts)
+        result = _accept(logits, all_drafts, params, positions, q, self.generator)
+        return _outcome(plan, result, all_drafts, params)
+
+    def _drafts(self, plan: StepPlan, proposal: Proposal | None) -> list[list[int]]:
+        """Drafts per decode rid, cut so the slot never grows past max_len."""
+        if proposal is None:
+            return [[] for _ in plan.decode]
+        out = []
+        for tokens, kv_len, k in zip(proposal.tokens, plan.kv_lens, plan.ks):
+            room = self.runner.max_len - kv_len - 1  # the last token takes one position
+            out.append(list(tokens[: max(0, min(k, room))]))
+        return out
+
+    def _forward(self, plan: StepPlan, drafts: list[list[int]]) -> list[torch.Tensor]:
+        """Logits per rid in message order: [1, V] for a prefill, [1 + k_i, V] for a verify."""
+        logits: list[torch.Tensor] = []
+        if plan.new:
+            slots = [self._slots[n.rid] for n in plan.new]
+            logits += self.runner.forward(slots, [n.prompt_ids for n in plan.new], last_only=True)
+        if plan.decode:
+            slots = [self._slots[rid] for rid in plan.decode]
+            for slot, kv_len in zip(slots, plan.kv_lens):
+                self.runner.truncate(slot, kv_len)  # lazy commit of the previous step
+            runs = [[last] + d for last, d in zip(plan.last_tokens, drafts)]
+            logits += self.runner.forward(slots, runs)
+        return logits
+
+    def _draft_probs(self, plan: StepPlan, proposal: Proposal | None,
+                     drafts: list[list[int]]) -> torch.Tensor | None:
+        """[B, K, V] q for the sampled rows (zeros elsewhere), or None (all point masses)."""
+        if proposal is None or proposal.probs is None or all(p is None for p in proposal.probs):
+            return None
+        width = max((len(d) for d in drafts), default=0)
+        vocab = self.runner.vocab_size
+        q = torch.zeros((len(drafts), width, vocab))
+        offset = len(plan.new)
+        for i, (p, d) in enumerate(zip(proposal.probs, drafts[offset:])):
+            if p is not None and d:
+                q[offset + i, : len(d)] = p[: len(d)]
+        return q
+
+
+def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[SamplingParams],
+            positions: list[int], q: torch.Tensor | None,
+            generator: torch.Generator | None) -> AcceptanceResult:
+    width = max(len(d) for d in drafts)
+    batch, vocab = len(drafts), logits[0].shape[-1]
+    padded = torch.zeros((batch, width + 1, vocab))
+    draft_ids = torch.zeros((batch, width), dtype=torch.int64)
+    for i, (lg, d) in enumerate(zip(logits, drafts)):
+        padded[i, : lg.shape[0]] = lg
+        draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
+    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+    top_n = max((p.logprobs or 0 for p in params), default=0)
+    return accept(draft_ids, num_drafts, padded, SamplingTensors.from_params(params), positions,
+                  draft_probs=q, num_top_logprobs=top_n, generator=generator)
+
+
+def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],
+             params: list[SamplingParams]) -> StepOutcome:
+    lengths = result.num_tokens.numpy().astype(np.int64)
+    keep = (torch.arange(result.token_ids.shape[1])[None, :] < result.num_tokens[:, None]).numpy()
+    tokens = result.token_ids.numpy()[keep].astype(np.int64)
+    top_n = top_ids = top_lps = None
+    tn = [p.logprobs or 0 for p in params]
+    if any(tn):  # each request gets its own N of the step's max-N top-logprobs
+        ids, vals = result.top_ids.numpy(), result.top_values.numpy()
+        top_n = np.array(tn, dtype=np.int64)
+        top_ids = np.concatenate(
+            [ids[i, :n, :t].reshape(-1) for i, (n, t) in enumerate(zip(lengths, tn))]
+        ).astype(np.int64)
+        top_lps = np.concatenate(
+            [vals[i, :n, :t].reshape(-1) for i, (n, t) in enumerate(zip(lengths, tn))]
+        ).astype(np.float64)
+    cols = StepColumns(
+        step=plan.step, rids=plan.rids, lengths=lengths,
+        drafted=np.array([len(d) for d in drafts], dtype=np.int64), tokens=tokens,
+        logprobs=result.logprobs.numpy()[keep].astype(np.float64),
+        top_n=top_n, top_ids=top_ids, top_logprobs=top_lps,
+        traceparent=plan.traceparent, time=time.time(),
+    )
+    token_lists = [t.tolist() for t in np.split(tokens, np.cumsum(lengths)[:-1])]
+    return StepOutcome(step=plan.step, rids=plan.rids, tokens=token_lists,
+                       drafted=[len(d) for d in drafts], payload=encode_columns(cols))
