@@ -1,0 +1,166 @@
+"""Prometheus metrics of the HTTP front end, in a registry of their own (never the global one).
+
+Two sources: the server observes each request (tokens, TTFT, inter-token latency, finish reasons,
+HTTP statuses); the engine's `stats()` snapshot (queue depths, raw speculative acceptance, steps
+dropped after finish) is copied in before each scrape by `update_engine_stats` and exported by a
+custom collector, because those values are owned and counted by the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "specrelay"
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Exports the latest engine stats snapshot (gauges and engine-owned counters)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.stats: dict[str, Any] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        s, labels = self.stats, [self.model]
+        if not s:
+            return
+        for name, key, doc in (
+            ("num_requests_running", "running", "Requests holding an engine slot."),
+            ("num_requests_waiting", "waiting", "Requests queued for a slot."),
+            ("num_free_slots", "free_slots", "Engine slots not in use."),
+        ):
+            g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
+            g.add_metric(labels, float(s.get(key, 0)))
+            yield g
+        healthy = GaugeMetricFamily(f"{PREFIX}_engine_healthy", "1 when the engine is healthy.",
+                                    labels=["model"])
+        healthy.add_metric(labels, 1.0 if s.get("healthy", False) else 0.0)
+        yield healthy
+        for name, key, doc in (
+            ("engine_steps", "steps", "Verify steps run by the engine."),
+            ("spec_dropped_steps", "dropped_steps",
+             "Steps dropped whole because their request had already finished or was aborted."),
+            ("spec_draft_tokens", "drafted_tokens", "Draft tokens proposed."),
+            ("spec_accepted_tokens", "accepted_tokens", "Draft tokens accepted by the verifier."),
+        ):
+            c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
+            c.add_metric(labels, float(s.get(key, 0)))
+            yield c
+        drafted, accepted = float(s.get("drafted_tokens", 0)), float(s.get("accepted_tokens", 0))
+        rate = GaugeMetricFamily(f"{PREFIX}_spec_acceptance_rate",
+                                 "Accepted / drafted tokens since start.", labels=["model"])
+        rate.add_metric(labels, accepted / drafted if drafted else 0.0)
+        yield rate
+        hist = acceptance_histogram(s)
+        steps = sum(hist)
+        mean = GaugeMetricFamily(f"{PREFIX}_spec_mean_accepted_length",
+                                 "Mean tokens emitted per verify step (accepted drafts + 1).",
+                                 labels=["model"])
+        mean.add_metric(labels, (sum(i * c for i, c in enumerate(hist)) / steps + 1.0)
+                        if steps else 0.0)
+        yield mean
+        if hist:
+            h = HistogramMetricFamily(f"{PREFIX}_spec_acceptance_length",
+                                      "Accepted draft tokens per verify step (raw).",
+                                      labels=["model"])
+            buckets, total = [], 0
+            for i, c in enumerate(hist):
+                total += c
+                buckets.append((str(float(i)), float(total)))
+            buckets.append(("+Inf", float(total)))
+            h.add_metric(labels, buckets, sum_value=float(sum(i * c for i, c in enumerate(hist))))
+            yield h
+
+
+def acceptance_histogram(stats: dict[str, Any]) -> list[int]:
+    """The engine's acceptance histogram as a list (index = accepted drafts in a step)."""
+    raw = stats.get("acceptance_histogram", stats.get("spec_acceptance_histogram", []))
+    if isinstance(raw, dict):  # {accepted_len: count}, possibly with string keys
+        pairs = {int(k): int(v) for k, v in raw.items()}
+        return [pairs.get(i, 0) for i in range(max(pairs, default=-1) + 1)]
+    return [int(c) for c in raw or []]
+
+
+class ServerMetrics:
+    """All front-end metrics; `render()` gives the Prometheus text exposition."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model"]
+        self.http_requests = Counter(f"{PREFIX}_http_requests",
+                                     "HTTP requests by route and status.", ["route", "status"],
+                                     registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed.", m,
+                                     registry=r)
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens",
+            "Generated (retained) tokens; rate() of this is tokens per second.", m, registry=r)
+        self.request_finished = Counter(f"{PREFIX}_request_finished", "Finished choices by reason.",
+                                        ["model", "finish_reason"], registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "Time from request arrival to its first output token.", m,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
+                             "Time between output deltas divided by the tokens in the delta.", m,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds",
+                             "Time from request arrival to its last output token.", m,
+                             buckets=E2E_BUCKETS, registry=r)
+        self.retained_accepted = Histogram(
+            f"{PREFIX}_request_accepted_tokens",
+            "Accepted draft tokens per finished request (after finish truncation).", m,
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
+        self._engine = _EngineStatsCollector(model)
+        r.register(self._engine)
+
+    def set_model(self, model: str) -> None:
+        """The served model's name, used as the `model` label from now on."""
+        self.model = self._engine.model = model
+
+    def update_engine_stats(self, stats: dict[str, Any]) -> None:
+        self._engine.stats = dict(stats)
+
+    def observe_http(self, route: str, status: int) -> None:
+        self.http_requests.labels(route, str(status)).inc()
+
+    def observe_prompt(self, n_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model).inc(n_tokens)
+
+    def observe_delta(self, n_tokens: int, since_request: float, since_last: float | None) -> None:
+        """One output delta of `n_tokens`; `since_last` None for the request's first delta."""
+        if n_tokens <= 0:
+            return
+        self.generation_tokens.labels(self.model).inc(n_tokens)
+        if since_last is None:
+            self.ttft.labels(self.model).observe(since_request)
+        else:
+            # A speculative step delivers several tokens at once; spread the gap over them.
+            per_token = since_last / n_tokens
+            hist = self.itl.labels(self.model)
+            for _ in range(n_tokens):
+                hist.observe(per_token)
+
+    def observe_finish(self, finish_reason: str | None, latency: float,
+                       accepted_tokens: int) -> None:
+        self.request_finished.labels(self.model, finish_reason or "error").inc()
+        self.e2e.labels(self.model).observe(latency)
+        self.retained_accepted.labels(self.model).observe(accepted_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
