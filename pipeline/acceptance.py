@@ -1,0 +1,284 @@
+"""Speculative acceptance: which draft tokens a verify step keeps, and the one token it adds.
+
+A request proposes ``k_i`` draft tokens ``x_1..x_k`` (``k_i`` may differ per request; the batch
+is padded to ``K = max k_i`` and masked). The target scored the ``k_i + 1`` positions, giving
+its processed distributions ``p_1..p_{k+1}`` (see `pipeline.sampling`); a draft model gives
+``q_1..q_k`` for its drafts. The verify step outputs, per request, in order:
+
+* **accepted tokens**: the longest prefix of drafts that passes verification;
+* then exactly one target token, either
+  * a **recovered** (correction) token at the first rejected position ``j``, or
+  * a **bonus** token at position ``k_i + 1`` when every draft was accepted.
+
+So ``1 <= len(tokens) <= k_i + 1`` and ``num_accepted = len(tokens) - 1``.
+
+**Greedy** (temperature 0): draft ``x_j`` is accepted while it equals the target's argmax at
+its position; the recovered/bonus token is the target's argmax at the next position. The output
+is exactly what non-speculative greedy decoding would produce.
+
+**Rejection sampling** (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", Alg. 1; Chen et al. 2023, "Accelerating Large Language Model Decoding
+with Speculative Sampling", Alg. 2): accept ``x_j`` with probability
+``min(1, p_j(x_j) / q_j(x_j))``; at the first rejection sample the recovered token from the
+residual ``normalize(max(0, p_j - q_j))``; if all are accepted sample the bonus from
+``p_{k+1}``. Every output token is then distributed exactly as the target's processed
+distribution (lossless). Temperature/top-k/top-p are applied to the target logits here and must
+have been applied to q the same way by the caller. Edge cases: ``q(x) = 0 < p(x)`` accepts;
+``p(x) = 0`` rejects; an all-zero residual (possible only through rounding) falls back to ``p``.
+
+**Point-mass drafts** (n-gram / prompt lookup, no q): ``q_j = one_hot(x_j)``, so ``x_j`` is
+accepted with probability ``p_j(x_j)`` and the residual is ``p_j`` with ``x_j`` removed,
+renormalised -- still exact.
+
+Logprobs are of the raw target logits (``log_softmax``, vLLM's default), for every output token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pipeline.sampling import (
+    STREAM_ACCEPT,
+    SamplingTensors,
+    compute_logprobs,
+    process_logits,
+    request_generator,
+    sample_from_weights,
+    top_logprobs,
+)
+
+
+@dataclass
+class AcceptanceResult:
+    """One verify step's output for B requests, padded to K + 1 tokens."""
+
+    token_ids: Tensor  # [B, K+1] int64: accepted drafts then the recovered/bonus token; -1 pad
+    num_tokens: Tensor  # [B] int64: new_accepted_len = accepted drafts + 1
+    logprobs: Tensor  # [B, K+1] float32: raw target logprob of each token; nan pad
+    top_ids: Tensor | None = None  # [B, K+1, N] int64 top-N ids per position (N asked for)
+    top_values: Tensor | None = None  # [B, K+1, N] float32 their logprobs
+
+    @property
+    def num_accepted(self) -> Tensor:  # [B] int64
+        """Accepted draft tokens per request (the recovered/bonus token is not counted)."""
+        return self.num_tokens - 1
+
+    def token_lists(self) -> list[list[int]]:
+        """Per request, its output tokens (the `VerifyStep.token_ids` layout)."""
+        rows = self.token_ids.tolist()
+        return [row[:n] for row, n in zip(rows, self.num_tokens.tolist())]
+
+    def logprob_lists(self) -> list[list[float]]:
+        """Per request, the raw target logprob of each output token."""
+        rows = self.logprobs.tolist()
+        return [row[:n] for row, n in zip(rows, self.num_tokens.tolist())]
+
+    def top_logprob_lists(self, num_top: Sequence[int]) -> list[list[list[tuple[int, float]]]]:
+        """Per request i, per output token, its top ``num_top[i]`` (id, logprob) pairs (needs
+        ``num_top[i] <= N``, the number `accept` was asked for)."""
+        if self.top_ids is None or self.top_values is None:
+            raise ValueError("top logprobs were not computed (num_top_logprobs=0)")
+        if max(num_top, default=0) > self.top_ids.shape[-1]:
+            raise ValueError("num_top asks for more top logprobs than were computed")
+        ids, values = self.top_ids.tolist(), self.top_values.tolist()
+        out = []
+        for i, (n, m) in enumerate(zip(self.num_tokens.tolist(), num_top)):
+            out.append([list(zip(ids[i][j][:m], values[i][j][:m])) for j in range(n)])
+        return out
+
+
+def greedy_accept(
+    draft_token_ids: Tensor,  # [B, K] int64, entries at j >= num_drafts[i] are ignored
+    num_drafts: Tensor,  # [B] int64 in [0, K]
+    target_argmax: Tensor,  # [B, K+1] int64 target argmax at each position
+) -> tuple[Tensor, Tensor]:  # ([B, K+1] int64 tokens, -1 pad; [B] int64 num_tokens)
+    """Greedy verification: keep drafts while they equal the target argmax, then append the
+    argmax at the first mismatch (recovered) or after all k_i drafts (bonus)."""
+    num_pos = draft_token_ids.shape[1]
+    valid = torch.arange(num_pos, device=draft_token_ids.device)[None, :] < num_drafts[:, None]
+    match = (draft_token_ids == target_argmax[:, :num_pos]) & valid
+    num_accepted = match.long().cumprod(dim=1).sum(dim=1)
+    # Accepted drafts equal the argmax, so the output is the argmax prefix of length n + 1.
+    return _pad_after(target_argmax, num_accepted + 1), num_accepted + 1
+
+
+def rejection_accept(
+    draft_token_ids: Tensor,  # [B, K] int64, entries at j >= num_drafts[i] are ignored
+    num_drafts: Tensor,  # [B] int64 in [0, K]
+    target_probs: Tensor,  # [B, K+1, V] float32 processed target distributions p
+    draft_probs: Tensor | None,  # [B, K, V] float32 processed draft q; None = point mass
+    accept_uniforms: Tensor,  # [B, K] uniform in [0, 1): one acceptance test per draft
+    sample_uniforms: Tensor,  # [B, V] uniform in [0, 1): draws the recovered/bonus token
+) -> tuple[Tensor, Tensor]:  # ([B, K+1] int64 tokens, -1 pad; [B] int64 num_tokens)
+    """Rejection-sampling verification (module docstring). Deterministic given the uniforms:
+    draft j is accepted iff ``u_j * q(x_j) < p(x_j)``, the final token is
+    ``sample_from_weights(residual or p, sample_uniforms)``."""
+    batch, num_pos = draft_token_ids.shape
+    device = draft_token_ids.device
+    rows = torch.arange(batch, device=device)
+    valid = torch.arange(num_pos, device=device)[None, :] < num_drafts[:, None]
+    drafts = torch.where(valid, draft_token_ids, torch.zeros_like(draft_token_ids))
+    p_draft = target_probs[:, :num_pos].gather(-1, drafts[..., None]).squeeze(-1)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
+    accepted = (accept_uniforms * q_draft < p_draft) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+
+    p_final = target_probs[rows, num_accepted]  # [B, V]: p at the recovered/bonus position
+    weights = p_final
+    rejected = num_accepted < num_drafts
+    if num_pos > 0 and bool(rejected.any()):
+        at = num_accepted.clamp(max=num_pos - 1)
+        if draft_probs is None:
+            q_final = torch.zeros_like(p_final)
+            q_final[rows, drafts[rows, at]] = 1.0
+        else:
+            q_final = draft_probs[rows, at].float()
+        residual = (p_final - q_final).clamp_min(0.0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_final)
+        weights = torch.where(rejected[:, None], residual, p_final)
+    final = sample_from_weights(weights, sample_uniforms)
+
+    padded = torch.cat([drafts, drafts.new_zeros(batch, 1)], dim=1)
+    padded[rows, num_accepted] = final
+    return _pad_after(padded, num_accepted + 1), num_accepted + 1
+
+
+def accept(
+    draft_token_ids: Tensor,  # [B, K] int64 drafts, padded past num_drafts[i]
+    num_drafts: Tensor,  # [B] int64 in [0, K]
+    target_logits: Tensor,  # [B, K+1, V] raw target logits at the k_i + 1 verified positions
+    sampling: SamplingTensors,  # B rows
+    positions: Sequence[int],  # [B] output position of each request's first token this step
+    draft_probs: Tensor | None = None,  # [B, K, V] processed draft q; None = point mass (n-gram)
+    num_top_logprobs: int = 0,
+    generator: torch.Generator | None = None,
+) -> AcceptanceResult:
+    """Verify one step for a batch: greedy rows with `greedy_accept`, sampled rows with
+    `rejection_accept` on processed target distributions. A seeded request's uniforms come from
+    ``request_generator(seed, positions[i], STREAM_ACCEPT)`` -- first V sampling uniforms, then
+    k_i acceptance uniforms -- so its result does not depend on the rest of the batch; unseeded
+    rows share batched draws from `generator` (None = process RNG). A prefill is K = 0.
+    Raises ValueError on inconsistent shapes."""
+    _check_shapes(draft_token_ids, num_drafts, target_logits, sampling, positions, draft_probs)
+    num_pos = draft_token_ids.shape[1]
+    vocab = target_logits.shape[-1]
+    device = target_logits.device
+    draft_token_ids = draft_token_ids.long()
+    num_drafts = num_drafts.long().to(device)
+
+    target_argmax = target_logits.argmax(dim=-1)
+    tokens, num_tokens = greedy_accept(draft_token_ids, num_drafts, target_argmax)
+    sampled = (~sampling.greedy).nonzero().squeeze(-1)
+    if sampled.numel() > 0:
+        sub = sampling.select(sampled)
+        n = sampled.numel()
+        p = process_logits(
+            target_logits[sampled].reshape(n * (num_pos + 1), vocab),
+            sub.temperature.repeat_interleave(num_pos + 1),
+            sub.top_k.repeat_interleave(num_pos + 1),
+            sub.top_p.repeat_interleave(num_pos + 1),
+        ).view(n, num_pos + 1, vocab)
+        sub_drafts = num_drafts[sampled]
+        sample_u, accept_u = _acceptance_uniforms(
+            sub.seeds,
+            [positions[i] for i in sampled.tolist()],
+            sub_drafts,
+            num_pos,
+            vocab,
+            device,
+            generator,
+        )
+        q = None if draft_probs is None else draft_probs[sampled].float()
+        sub_tokens, sub_num = rejection_accept(
+            draft_token_ids[sampled], sub_drafts, p, q, accept_u, sample_u
+        )
+        tokens[sampled] = sub_tokens
+        num_tokens[sampled] = sub_num
+
+    logprobs = compute_logprobs(target_logits)
+    chosen = logprobs.gather(-1, tokens.clamp_min(0)[..., None]).squeeze(-1)
+    keep = torch.arange(num_pos + 1, device=device)[None, :] < num_tokens[:, None]
+    result = AcceptanceResult(tokens, num_tokens, chosen.masked_fill(~keep, float("nan")))
+    if num_top_logprobs > 0:
+        result.top_ids, result.top_values = top_logprobs(logprobs, num_top_logprobs)
+    return result
+
+
+def _acceptance_uniforms(
+    seeds: Sequence[int | None],
+    positions: Sequence[int],
+    num_drafts: Tensor,  # [n] int64
+    num_pos: int,
+    vocab: int,
+    device: torch.device,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:  # ([n, V] sampling uniforms, [n, K] acceptance uniforms)
+    """Per seeded row: V sampling uniforms then k_i acceptance uniforms from its own generator
+    (so the draw is independent of K and of the batch). Unseeded rows: two batched draws."""
+    n = len(seeds)
+    sample_u = torch.empty((n, vocab), dtype=torch.float32, device=device)
+    accept_u = torch.zeros((n, num_pos), dtype=torch.float32, device=device)
+    drafts = num_drafts.tolist()
+    unseeded = []
+    for i, seed in enumerate(seeds):
+        if seed is None:
+            unseeded.append(i)
+            continue
+        gen = request_generator(seed, positions[i], STREAM_ACCEPT, device)
+        sample_u[i] = torch.rand(vocab, generator=gen, device=device)
+        accept_u[i, : drafts[i]] = torch.rand(drafts[i], generator=gen, device=device)
+    if unseeded:
+        rows = torch.tensor(unseeded, dtype=torch.int64, device=device)
+        sample_u[rows] = torch.rand((len(rows), vocab), generator=generator, device=device)
+        accept_u[rows] = torch.rand((len(rows), num_pos), generator=generator, device=device)
+    return sample_u, accept_u
+
+
+def _pad_after(
+    tokens: Tensor,  # [B, K+1] int64
+    lengths: Tensor,  # [B] int64
+) -> Tensor:  # [B, K+1] int64
+    """`tokens` with every entry at index >= lengths[i] set to -1."""
+    keep = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths[:, None]
+    return torch.where(keep, tokens, torch.full_like(tokens, -1))
+
+
+def _check_shapes(
+    draft_token_ids: Tensor,  # [B, K]
+    num_drafts: Tensor,  # [B]
+    target_logits: Tensor,  # [B, K+1, V]
+    sampling: SamplingTensors,
+    positions: Sequence[int],
+    draft_probs: Tensor | None,  # [B, K, V]
+) -> None:
+    if draft_token_ids.dim() != 2:
+        raise ValueError(f"draft_token_ids must be [B, K], got {tuple(draft_token_ids.shape)}")
+    batch, num_pos = draft_token_ids.shape
+    if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (batch, num_pos + 1):
+        raise ValueError(
+            f"target_logits must be [B, K+1, V] = [{batch}, {num_pos + 1}, V], "
+            f"got {tuple(target_logits.shape)}"
+        )
+    if tuple(num_drafts.shape) != (batch,):
+        raise ValueError(f"num_drafts must be [{batch}], got {tuple(num_drafts.shape)}")
+    if len(sampling) != batch or len(positions) != batch:
+        raise ValueError("sampling and positions need one entry per request")
+    if batch and (int(num_drafts.min()) < 0 or int(num_drafts.max()) > num_pos):
+        raise ValueError(f"num_drafts must lie in [0, {num_pos}]")
+    vocab = target_logits.shape[-1]
+    valid = torch.arange(num_pos)[None, :] < num_drafts.cpu()[:, None]
+    drafts = draft_token_ids.cpu()[valid]
+    if drafts.numel() and (int(drafts.min()) < 0 or int(drafts.max()) >= vocab):
+        raise ValueError(f"draft token ids must lie in [0, {vocab})")
+    if draft_probs is not None and tuple(draft_probs.shape) != (batch, num_pos, vocab):
+        raise ValueError(
+            f"draft_probs must be [B, K, V] = [{batch}, {num_pos}, {vocab}], "
+            f"got {tuple(draft_probs.shape)}"
+        )
