@@ -164,13 +164,15 @@ def accept(
     `rejection_accept` on processed target distributions. A seeded request's uniforms come from
     ``request_generator(seed, positions[i], STREAM_ACCEPT)`` -- first V sampling uniforms, then
     k_i acceptance uniforms -- so its result does not depend on the rest of the batch; unseeded
-    rows share batched draws from `generator` (None = process RNG). A prefill is K = 0.
+    rows share batched draws from `generator` (None = process RNG). `positions[i]` is the
+    number of output tokens request i had before this step; a prefill is K = 0. `sampling`
+    must live on the logits' device.
     Raises ValueError on inconsistent shapes."""
     _check_shapes(draft_token_ids, num_drafts, target_logits, sampling, positions, draft_probs)
     num_pos = draft_token_ids.shape[1]
     vocab = target_logits.shape[-1]
     device = target_logits.device
-    draft_token_ids = draft_token_ids.long()
+    draft_token_ids = draft_token_ids.long().to(device)
     num_drafts = num_drafts.long().to(device)
 
     target_argmax = target_logits.argmax(dim=-1)

@@ -88,6 +88,19 @@ def test_accept_greedy_ignores_draft_probs():
     assert res.token_lists() == [[1, 2]]
 
 
+def test_greedy_rows_keep_their_literal_result_next_to_sampled_rows():
+    argmax = [[3, 1, 4], [0, 0, 0], [3, 1, 4]]
+    logits = _peaked_logits(argmax, vocab=5)
+    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(top_k=1)]
+    res = accept(
+        torch.tensor([[3, 2], [1, 1], [3, 2]]), torch.tensor([2, 2, 1]), logits,
+        SamplingTensors.from_params(params), [0, 0, 0],
+    )  # fmt: skip
+    lists = res.token_lists()
+    assert lists[0] == [3, 1] and lists[2] == [3, 1]
+    assert 1 <= len(lists[1]) <= 3
+
+
 def test_accept_prefill_has_no_drafts():
     logits = torch.tensor([[[0.0, 5.0, 1.0]]])
     sampling = SamplingTensors.from_params([SamplingParams()])
