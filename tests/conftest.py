@@ -29,3 +29,14 @@ def smollm2_tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(
         os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path)
     )
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for every Ray test of the session."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
