@@ -53,13 +53,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "function-after"}
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     # ("messages", 0, "role") -> "messages[0].role"; union tags such as "list[int]" are dropped
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and not re.search(r"[\[\]]", part) and "-" not in part:
+        elif isinstance(part, str) and part not in _UNION_TAGS and not re.search(r"[\[\]-]", part):
             out += ("." if out else "") + part
     return out or None
 

@@ -112,7 +112,7 @@ class FakeEngine:
         tok = ByteTok()
         for i, t in enumerate(tokens):
             if i >= p.min_new_tokens and (t in p.stop_token_ids or (t == EOS and not p.ignore_eos)):
-                return tokens, i + 1, "stop", t, len(tok.decode(tokens[:i]))
+                return tokens, i + 1, "stop", t, len(tok.decode(tokens[: i + 1]))
             text = tok.decode(tokens[: i + 1])
             for s in p.stop:
                 at = text.find(s)
