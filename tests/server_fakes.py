@@ -8,8 +8,9 @@ EOS, stop string, length) so that responses have known, literal contents.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
