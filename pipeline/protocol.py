@@ -91,11 +91,11 @@ class StepColumns:
     def to_step(self) -> VerifyStep:
         bounds = self.offsets.tolist()
         flat = self.tokens.tolist()
-        token_ids = [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+        token_ids = [flat[a:b] for a, b in itertools.pairwise(bounds)]
         logprobs = None
         if self.logprobs is not None:
             lps = self.logprobs.tolist()
-            logprobs = [lps[a:b] for a, b in zip(bounds, bounds[1:])]
+            logprobs = [lps[a:b] for a, b in itertools.pairwise(bounds)]
         top = None
         if self.top_n is not None:
             top = []
@@ -130,6 +130,15 @@ def decode(payload: bytes) -> VerifyStep:
 
 def columns_from_step(step: VerifyStep) -> StepColumns:
     """Flatten a VerifyStep; raises ProtocolError when its lists don't line up."""
+    try:
+        return _columns_from_step(step)
+    except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, ProtocolError):
+            raise
+        raise ProtocolError(f"malformed VerifyStep: {e}") from None
+
+
+def _columns_from_step(step: VerifyStep) -> StepColumns:
     b = len(step.rids)
     if len(step.token_ids) != b or len(step.drafted) != b:
         raise ProtocolError("rids, token_ids and drafted must have the same length")
@@ -154,9 +163,11 @@ def columns_from_step(step: VerifyStep) -> StepColumns:
             for entries in per_req:
                 if len(entries) != n:
                     raise ProtocolError("top_logprobs: one request's tokens need the same top-N")
-                for tid, lp in entries:
-                    ids.append(tid)
-                    lps.append(lp)
+                for entry in entries:
+                    if len(entry) != 2:
+                        raise ProtocolError("top_logprobs entries must be (token id, logprob)")
+                    ids.append(entry[0])
+                    lps.append(entry[1])
             counts.append(n)
         top_n = np.asarray(counts, dtype=np.int64)
         top_ids = _array(ids, np.int64, "top_logprobs ids")
@@ -205,12 +216,13 @@ def decode_columns(payload: bytes) -> StepColumns:
         raise ProtocolError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
     try:
         msg = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # msgpack raises several unrelated types for bad bytes
+    except Exception as e:  # noqa: BLE001 - msgpack raises many unrelated types for bad bytes
         raise ProtocolError(f"not a valid msgpack message: {e}") from None
     if not isinstance(msg, dict):
         raise ProtocolError("message must be a map")
-    if msg.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {msg.get('v')!r}")
+    v = msg.get("v")
+    if type(v) is not int or v != PROTOCOL_VERSION:  # True == 1 and 1.0 == 1: not versions
+        raise ProtocolError(f"unsupported protocol version {v!r}")
     if set(msg) != _KEYS:
         raise ProtocolError(f"message keys {sorted(map(str, msg))} != {sorted(_KEYS)}")
     rids = msg["rids"]
@@ -219,6 +231,10 @@ def decode_columns(payload: bytes) -> StepColumns:
     b = len(rids)
     lengths = _from_bin(msg["len"], _I32, b, "len")
     top_n = None if msg["tn"] is None else _from_bin(msg["tn"], _I32, b, "tn")
+    if b and (int(lengths.min()) < 1 or int(lengths.max()) > MAX_DRAFTED + 1):
+        raise ProtocolError(f"len: every new_accepted_len must be in [1, {MAX_DRAFTED + 1}]")
+    if top_n is not None and b and (int(top_n.min()) < 0 or int(top_n.max()) > MAX_TOP_N):
+        raise ProtocolError(f"tn: top-N must be in [0, {MAX_TOP_N}]")
     n_tok = int(lengths.sum()) if b else 0
     if n_tok < 0 or n_tok > MAX_PAYLOAD_BYTES:
         raise ProtocolError("len: invalid token counts")
@@ -250,9 +266,15 @@ def validate_columns(cols: StepColumns) -> None:
     b = len(cols.rids)
     if b > MAX_BATCH:
         raise ProtocolError(f"batch of {b} exceeds {MAX_BATCH}")
-    for rid in cols.rids:
-        if not isinstance(rid, str) or not rid or len(rid) > MAX_RID_CHARS:
-            raise ProtocolError(f"bad request id {rid!r}")
+    if b and not (
+        all(type(r) is str for r in cols.rids)
+        and 0 < min(map(len, cols.rids))
+        and max(map(len, cols.rids)) <= MAX_RID_CHARS
+    ):
+        bad = next(
+            r for r in cols.rids if not isinstance(r, str) or not 0 < len(r) <= MAX_RID_CHARS
+        )
+        raise ProtocolError(f"bad request id {bad!r}")
     if len(set(cols.rids)) != b:
         raise ProtocolError("duplicate request ids in one step")
     if cols.lengths.shape != (b,) or cols.drafted.shape != (b,):
@@ -277,6 +299,8 @@ def validate_columns(cols: StepColumns) -> None:
             raise ProtocolError("logprobs must align with tokens")
         if not bool(np.isfinite(cols.logprobs).all()):
             raise ProtocolError("logprobs must be finite")
+    if (cols.top_ids is None or cols.top_logprobs is None) != (cols.top_n is None):
+        raise ProtocolError("top-N counts, ids and logprobs must be present together")
     if cols.top_n is not None:
         if cols.top_n.shape != (b,):
             raise ProtocolError("tn must have one entry per request")
@@ -307,8 +331,17 @@ def _from_bin(raw: object, dtype: np.dtype, count: int, key: str) -> np.ndarray:
 
 
 def _array(values, dtype, name: str) -> np.ndarray:
+    """A 1-D array of `values`; ints must be ints (no bools, floats or strings), floats numbers."""
     try:
-        out = np.fromiter(values, dtype=dtype)
+        out = np.array(list(values))
     except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"{name}: {e}") from None
-    return out
+    if out.size == 0:
+        return np.zeros(0, dtype=dtype)
+    allowed = "iu" if np.dtype(dtype).kind == "i" else "iuf"
+    if out.ndim != 1 or out.dtype.kind not in allowed:
+        raise ProtocolError(f"{name}: expected a flat list of {np.dtype(dtype).name} values")
+    try:
+        return out.astype(dtype, casting="safe" if out.dtype.kind != "u" else "unsafe")
+    except TypeError as e:
+        raise ProtocolError(f"{name}: {e}") from None

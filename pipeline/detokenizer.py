@@ -1,0 +1,218 @@
+"""Incremental detokenization, batched per step, with stop-string search and hold-back.
+
+Committed text. For output ids `ids`, let `S(p)` be `decode(ids[:p+1])` with one trailing U+FFFD
+removed: a U+FFFD at the very end may be a character whose bytes have not all arrived (lossy UTF-8
+decoding gives at most one U+FFFD for an incomplete tail), any earlier one is final. `S(p)` only grows
+with `p`, so it is the text the output path commits to: stop strings are searched in it, and a stop
+string completes at the first position `p` whose `S(p)` contains it (`f` = the token holding the
+match's last character). At finish the text is settled: the decode of the retained ids, trailing
+U+FFFD included (DESIGN.md, *Streaming*).
+
+Per step, per request, one sequence is decoded (two for tokenizers whose decode needs context, e.g.
+SentencePiece's leading-space rule: vLLM's prefix/read offsets), all requests of the step in one
+`decode_batch` call per `skip_special_tokens` value. Byte-level BPE decoders (GPT-2, SmolLM2, Llama 3)
+decode concatenatively at character boundaries, so they need no context and the window is just the
+tokens since the last clean boundary: the cost of a step does not depend on the output length.
+
+Stop strings are searched only in the new committed text plus the `max_len - 1` committed characters
+before it (`TextState.tail`); the token holding a match's last character is found by a binary search
+over decodes of the window's prefixes, done only when a match is found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeline.request_state import TextState
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass(frozen=True, slots=True)
+class StopStrings:
+    """A request's stop strings, prepared for the incremental search."""
+
+    stops: tuple[str, ...]
+    max_len: int
+    by_first: dict[str, tuple[str, ...]]  # first character -> stop strings starting with it
+
+    @classmethod
+    def build(cls, stops: Sequence[str]) -> StopStrings | None:
+        stops = tuple(dict.fromkeys(stops))
+        if not stops:
+            return None
+        by_first: dict[str, list[str]] = {}
+        for s in stops:
+            by_first.setdefault(s[0], []).append(s)
+        return cls(stops, max(map(len, stops)), {c: tuple(v) for c, v in by_first.items()})
+
+    def find(self, text: str, min_end: int) -> tuple[int, int, str] | None:
+        """The occurrence in `text` with the earliest end beyond `min_end` (ties: the longest), as
+        (start, end, stop string), or None. Looks at `text[min_end - max_len + 1:]` only."""
+        best: tuple[int, int, str] | None = None
+        for s in self.stops:
+            i = text.find(s, max(0, min_end - len(s) + 1))
+            if i < 0:
+                continue
+            e = i + len(s)
+            if best is None or e < best[1] or (e == best[1] and i < best[0]):
+                best = (i, e, s)
+        return best
+
+    def held_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string: text
+        that must be held back because a later token could complete the stop string."""
+        n = min(len(text), self.max_len - 1)
+        if n <= 0:
+            return 0
+        region = text[len(text) - n :]
+        best = 0
+        for c, stops in self.by_first.items():
+            j = region.find(c)
+            while j >= 0 and n - j > best:
+                suffix = region[j:]
+                if any(len(s) > len(suffix) and s.startswith(suffix) for s in stops):
+                    best = n - j
+                    break
+                j = region.find(c, j + 1)
+        return best
+
+
+@dataclass(slots=True)
+class DecodedWindow:
+    """One request's decode this step: `full = decode(ids[prefix:end])`, `base` = committed chars of
+    it before this step (context text + `extra`)."""
+
+    full: str
+    base: int
+
+    @property
+    def committed(self) -> str:
+        """Text newly committed by this window (trailing U+FFFD held back)."""
+        full = self.full
+        stable = len(full) - 1 if full.endswith(REPLACEMENT) else len(full)
+        return full[self.base : stable] if stable > self.base else ""
+
+    @property
+    def clean(self) -> bool:
+        return not self.full.endswith(REPLACEMENT)
+
+
+class Detokenizer:
+    """Batch decoding over a Hugging Face tokenizer (fast or slow) or a `tokenizers.Tokenizer`."""
+
+    def __init__(self, tokenizer, context_free: bool | None = None) -> None:
+        self.tokenizer = tokenizer
+        backend = _backend(tokenizer)
+        self._backend = backend
+        cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        # The Rust decode_batch is one call for the whole batch; fall back to the tokenizer's own
+        # batch_decode when it post-processes text (clean-up) or there is no Rust backend.
+        self._native = backend is not None and (not cleanup or backend is tokenizer)
+        self.special_ids = _special_ids(tokenizer, backend)
+        if context_free is None:
+            context_free = _is_byte_level(backend)
+        self.context_free = context_free
+
+    def decode_batch(self, seqs: list[list[int]], skip: list[bool]) -> list[str]:
+        """Decode every sequence; one call per distinct `skip_special_tokens` value."""
+        if not seqs:
+            return []
+        first = skip[0]
+        if all(s == first for s in skip):
+            return self._decode_batch(seqs, first)
+        out: list[str] = [""] * len(seqs)
+        for flag in (False, True):
+            idx = [i for i, s in enumerate(skip) if s == flag]
+            for i, text in zip(idx, self._decode_batch([seqs[i] for i in idx], flag)):
+                out[i] = text
+        return out
+
+    def decode(self, ids: list[int], skip: bool) -> str:
+        return self._decode_batch([ids], skip)[0]
+
+    def _decode_batch(self, seqs: list[list[int]], skip: bool) -> list[str]:
+        if self._native:
+            return self._backend.decode_batch(seqs, skip_special_tokens=skip)
+        return self.tokenizer.batch_decode(seqs, skip_special_tokens=skip)
+
+    # -- one request's text, step by step -------------------------------------------------------
+
+    def sequences(self, ts: TextState, ids: list[int], window: list[int]) -> list[list[int]]:
+        """What to decode for this step: the window since `prefix_offset` (plus the context alone
+        when the tokenizer needs context)."""
+        seq = ids[ts.prefix_offset :] + window if ts.prefix_offset < len(ids) else window
+        if self.context_free:
+            return [seq]
+        return [seq, ids[ts.prefix_offset : ts.read_offset]]
+
+    def window(self, ts: TextState, texts: list[str]) -> DecodedWindow:
+        """The decode results of `sequences` as a DecodedWindow."""
+        context = len(texts[1]) if len(texts) > 1 else 0
+        return DecodedWindow(texts[0], context + ts.extra)
+
+    def advance(self, ts: TextState, dw: DecodedWindow, end: int) -> TextState:
+        """Offsets after committing `dw` (the ids now end at `end`); `tail`/`pending` unchanged."""
+        context = dw.base - ts.extra  # chars of decode(ids[prefix:read])
+        if dw.clean and (self.context_free or len(dw.full) > context):
+            # A clean boundary: everything is committed. vLLM keeps the window as the next step's
+            # context; a byte-level decoder needs none.
+            start = end if self.context_free else ts.read_offset
+            return TextState(start, end, 0, ts.tail, ts.pending, ts.chars_sent)
+        stable = len(dw.full) - (0 if dw.clean else 1)
+        extra = max(ts.extra, stable - context)
+        return TextState(
+            ts.prefix_offset, ts.read_offset, extra, ts.tail, ts.pending, ts.chars_sent
+        )
+
+    def locate(
+        self,
+        ts: TextState,
+        ids: list[int],
+        window: list[int],
+        dw: DecodedWindow,
+        chars: int,
+        skip: bool,
+    ) -> int:
+        """Smallest k such that the first k window tokens commit at least `chars` new characters
+        (binary search over decodes; called only when a stop string matched)."""
+        head = ids[ts.prefix_offset :]
+        lo, hi = 1, len(window)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if (
+                len(DecodedWindow(self.decode(head + window[:mid], skip), dw.base).committed)
+                >= chars
+            ):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+def _backend(tokenizer):
+    try:
+        import tokenizers
+    except ImportError:  # pragma: no cover - tokenizers is a dependency
+        return None
+    if isinstance(tokenizer, tokenizers.Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, tokenizers.Tokenizer) else None
+
+
+def _special_ids(tokenizer, backend) -> frozenset[int]:
+    ids: set[int] = set()
+    if backend is not None:
+        ids.update(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+    ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
+    return frozenset(ids)
+
+
+def _is_byte_level(backend) -> bool:
+    if backend is None:
+        return False
+    from tokenizers import decoders
+
+    return isinstance(backend.decoder, decoders.ByteLevel)

@@ -1,0 +1,199 @@
+"""Helpers for the output-path tests: a tiny byte-level BPE tokenizer, a step feeder, and a naive
+reference of the finish rules (DESIGN.md, *Finish rules (normative)*) computed from whole-stream
+decodes, quadratic and obviously right."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import AddedToken, Tokenizer, decoders, models
+
+from pipeline.output import OutputProcessor
+from pipeline.params import SamplingParams
+from pipeline.protocol import VerifyStep, encode
+from pipeline.request_output import RequestOutput
+
+EOS, STOP, PLAIN_ADDED = 0, 1, 2  # tiny tokenizer: special <eos>, special <stop>, non-special <x>
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what ByteLevel decoders invert)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1))
+    bs += list(range(0xAE, 0xFF + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+BYTE_CHARS = bytes_to_unicode()
+# Multi-byte pieces on top of the 256 single bytes: words, a whole CJK char, partial UTF-8 pieces.
+PIECES = [b"ab", b" the", b"stop", "世".encode(), "世".encode()[:2], "🎉".encode()[:3], b"a\xe4"]
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """Byte-level BPE over a tiny vocab: ids 0-2 added tokens, 3-258 single bytes, then PIECES."""
+    vocab: dict[str, int] = {"<eos>": EOS, "<stop>": STOP, "<x>": PLAIN_ADDED}
+    for b in range(256):
+        vocab[BYTE_CHARS[b]] = 3 + b
+    for piece in PIECES:
+        vocab.setdefault("".join(BYTE_CHARS[b] for b in piece), len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eos>", special=True), AddedToken("<stop>", special=True)])
+    tok.add_tokens([AddedToken("<x>", special=False)])
+    assert tok.token_to_id("<eos>") == EOS and tok.token_to_id("<x>") == PLAIN_ADDED
+    return tok
+
+
+def byte_id(b: int) -> int:
+    return 3 + b
+
+
+def piece_id(tok: Tokenizer, piece: bytes) -> int:
+    return tok.token_to_id("".join(BYTE_CHARS[b] for b in piece))
+
+
+def text_ids(tok: Tokenizer, text: str) -> list[int]:
+    return [byte_id(b) for b in text.encode()]
+
+
+def token_logprob(pos: int, tid: int) -> float:
+    return -0.001 * pos - 1e-6 * tid
+
+
+def token_top(pos: int, n: int) -> list[tuple[int, float]]:
+    return [(1000 + pos * 7 + j, -0.5 * j - 0.001 * pos) for j in range(n)]
+
+
+def make_step(
+    step: int,
+    windows: dict[str, tuple[int, list[int]]],
+    top_n: int = 5,
+    extra_drafts: int = 0,
+) -> VerifyStep:
+    """A VerifyStep for `{rid: (start position, window)}` with position-derived logprobs."""
+    rids = list(windows)
+    token_ids = [windows[r][1] for r in rids]
+    lps = [[token_logprob(p0 + k, t) for k, t in enumerate(w)] for p0, w in windows.values()]
+    tops = [[token_top(p0 + k, top_n) for k in range(len(w))] for p0, w in windows.values()]
+    return VerifyStep(
+        step=step,
+        rids=rids,
+        token_ids=token_ids,
+        drafted=[len(w) - 1 + extra_drafts for w in token_ids],
+        logprobs=lps,
+        top_logprobs=tops,
+    )
+
+
+@dataclass
+class Collected:
+    """A request's deltas folded together."""
+
+    outs: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for o in self.outs for t in o.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(o.text for o in self.outs)
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        if self.outs[0].logprobs is None:
+            return None
+        return [x for o in self.outs for x in o.logprobs]
+
+    @property
+    def top(self):
+        if self.outs[0].top_logprobs is None:
+            return None
+        return [x for o in self.outs for x in o.top_logprobs]
+
+    @property
+    def last(self) -> RequestOutput:
+        return self.outs[-1]
+
+    def final(self) -> tuple:
+        last = self.last
+        return (
+            self.ids,
+            self.text,
+            self.logprobs,
+            self.top,
+            last.finish_reason,
+            last.matched_stop,
+            last.finished_len,
+        )
+
+
+def feed(
+    proc: OutputProcessor, rid: str, stream: list[int], cuts: list[int], step0: int = 0
+) -> Collected:
+    """Feed `stream` to `proc` in windows of the sizes in `cuts` (cycled) until it finishes."""
+    got = Collected()
+    pos, k, step = 0, 0, step0
+    while pos < len(stream):
+        size = max(1, cuts[k % len(cuts)]) if cuts else 1
+        window = stream[pos : pos + size]
+        outs = proc.process(encode(make_step(step, {rid: (pos, window)})))
+        got.outs.extend(outs)
+        pos += len(window)
+        k += 1
+        step += 1
+        if outs and outs[-1].finished:
+            break
+    return got
+
+
+def strip_one(text: str) -> str:
+    return text.removesuffix("\ufffd")
+
+
+@dataclass
+class Expected:
+    ids: list[int]
+    text: str
+    reason: str | None
+    matched: int | str | None
+    finished_len: int | None
+
+
+def reference(
+    stream: list[int],
+    params: SamplingParams,
+    decode,
+    eos_ids: set[int],
+    special_ids: set[int],
+) -> Expected:
+    """The finish rules straight from their definition, re-decoding the whole prefix per token.
+
+    `decode(ids, skip_special_tokens) -> str`."""
+    skip = params.skip_special_tokens
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    prev_len = 0  # len(S(p-1))
+    for p, t in enumerate(stream):
+        if p >= params.min_new_tokens and t in stop_ids:
+            text_ids = stream[:p] if t in special_ids else stream[: p + 1]
+            return Expected(stream[: p + 1], decode(text_ids, skip), "stop", t, p + 1)
+        s_p = strip_one(decode(stream[: p + 1], skip))
+        if params.stop and p >= params.min_new_tokens:
+            best = None
+            for s in params.stop:
+                i = s_p.find(s, max(0, prev_len - len(s) + 1))
+                if i >= 0 and (best is None or (i + len(s), i) < (best[1], best[0])):
+                    best = (i, i + len(s), s)
+            if best is not None:
+                cut = best[1] if params.include_stop_str_in_output else best[0]
+                return Expected(stream[: p + 1], s_p[:cut], "stop", best[2], p + 1)
+        prev_len = len(s_p)
+        if p == params.max_new_tokens - 1:
+            return Expected(stream[: p + 1], decode(stream[: p + 1], skip), "length", None, p + 1)
+    return Expected(list(stream), decode(stream, skip), None, None, None)

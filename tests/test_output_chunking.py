@@ -1,0 +1,148 @@
+"""Chunking invariance and streaming (DESIGN.md): every cut of a token stream into verify steps gives
+the same final ids, text, logprobs, finish reason, matched stop and finished_len as one token per
+step and as the naive whole-stream reference; the text deltas always add up to the final text."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from output_support import (
+    EOS,
+    PIECES,
+    PLAIN_ADDED,
+    STOP,
+    byte_id,
+    feed,
+    piece_id,
+    reference,
+    tiny_tokenizer,
+    token_logprob,
+    token_top,
+)
+
+from pipeline.detokenizer import Detokenizer
+from pipeline.output import OutputProcessor
+from pipeline.params import SamplingParams
+
+TINY = tiny_tokenizer()
+TINY_POOL = (
+    [byte_id(b) for b in b"ab c.!"]
+    + [byte_id(b) for b in "世🎉".encode()]  # every byte of a CJK char and an emoji, alone
+    + [byte_id(0x80), byte_id(0xFF)]  # bytes that are never valid UTF-8
+    + [piece_id(TINY, p) for p in PIECES]
+    + [EOS, STOP, PLAIN_ADDED]
+)
+STOP_ALPHABET = ["a", "b", "c", " ", ".", "ab", "世", "🎉", "stop", "<x>", "<stop>", "\ufffd"]
+
+
+def _decode_fn(detok: Detokenizer):
+    return lambda ids, skip: detok.decode(list(ids), skip)
+
+
+@st.composite
+def scenarios(draw, pool: list[int], decode):
+    stream = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=40))
+    max_new = draw(st.one_of(st.just(len(stream)), st.integers(1, len(stream))))
+    min_new = draw(st.one_of(st.just(0), st.integers(0, max_new)))
+    skip = draw(st.booleans())
+    text = decode(stream, skip)
+    stops = []
+    for _ in range(draw(st.sampled_from([0, 1, 1, 2, 2]))):
+        if text and draw(st.booleans()):  # a piece of the actual text, so stops do match
+            i = draw(st.integers(0, len(text) - 1))
+            j = draw(st.integers(i + 1, min(len(text), i + 6)))
+            stops.append(text[i:j])
+        else:
+            stops.append(draw(st.sampled_from(STOP_ALPHABET)))
+    params = SamplingParams(
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        stop=stops,
+        stop_token_ids=draw(st.sampled_from([[], [STOP], [STOP, byte_id(ord("."))]])),
+        ignore_eos=draw(st.booleans()),
+        include_stop_str_in_output=draw(st.booleans()),
+        skip_special_tokens=skip,
+        logprobs=draw(st.sampled_from([None, 0, 1, 3, 5])),
+    )
+    cuts = draw(st.lists(st.integers(1, 8), min_size=1, max_size=6))
+    return stream, params, cuts
+
+
+def check_invariance(tokenizer, eos, stream, params, cuts, context_free=None) -> None:
+    detok = Detokenizer(tokenizer, context_free=context_free)
+    ref = reference(stream, params, _decode_fn(detok), set(eos), set(detok.special_ids))
+    runs = {}
+    for name, c in {"one": [1], "cuts": cuts, "whole": [len(stream)]}.items():
+        proc = OutputProcessor(tokenizer, eos)
+        if context_free is not None:
+            proc.detokenizer.context_free = context_free
+        proc.add_request("r", [1, 2, 3], params)
+        got = feed(proc, "r", stream, c)
+        runs[name] = got
+        # Streaming: every delta aligned, text deltas add up to the final text, nothing after finish.
+        for o in got.outs:
+            if params.logprobs is not None:
+                assert len(o.logprobs) == len(o.token_ids)
+            if params.logprobs:
+                assert len(o.top_logprobs) == len(o.token_ids)
+                assert all(len(t) == params.logprobs for t in o.top_logprobs)
+        assert [o.finished for o in got.outs[:-1]] == [False] * (len(got.outs) - 1)
+        assert proc.num_requests == (0 if got.last.finished else 1)
+    final = runs["one"].final()
+    for name, got in runs.items():
+        assert got.final() == final, name
+    ids, text, lps, top, reason, matched, flen = final
+    assert (ids, text, reason, matched, flen) == (
+        ref.ids,
+        ref.text,
+        ref.reason,
+        ref.matched,
+        ref.finished_len,
+    )
+    if params.logprobs is not None:
+        assert lps == [token_logprob(p, t) for p, t in enumerate(ids)]
+    if params.logprobs:
+        assert top == [token_top(p, 5)[: params.logprobs] for p in range(len(ids))]
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_every_cut_of_a_stream_gives_the_same_output_as_one_token_per_step(data):
+    detok = Detokenizer(TINY)
+    stream, params, cuts = data.draw(scenarios(TINY_POOL, _decode_fn(detok)))
+    check_invariance(TINY, [EOS], stream, params, cuts)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_vllm_style_context_offsets_give_the_same_output(data):
+    # The generic (prefix/read offsets) path, used for tokenizers whose decode needs context.
+    detok = Detokenizer(TINY)
+    stream, params, cuts = data.draw(scenarios(TINY_POOL, _decode_fn(detok)))
+    check_invariance(TINY, [EOS], stream, params, cuts, context_free=False)
+
+
+@pytest.fixture(scope="module")
+def smol_pool(smollm2_tokenizer) -> list[int]:
+    tok = smollm2_tokenizer
+    ids = tok.encode("Hello world. Stop here, stop! 世界 🎉 ok", add_special_tokens=False)
+    return sorted(set(ids)) + [0, 1, 2]  # incl. partial-UTF-8 pieces of 世界/🎉 and specials
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(st.data())
+def test_real_smollm2_tokenizer_every_cut_gives_the_same_output(smollm2_tokenizer, smol_pool, data):
+    detok = Detokenizer(smollm2_tokenizer)
+    stream, params, cuts = data.draw(scenarios(smol_pool, _decode_fn(detok)))
+    check_invariance(smollm2_tokenizer, [2], stream, params, cuts)
+
+
+def test_smollm2_pool_holds_partial_utf8_pieces(smollm2_tokenizer, smol_pool):
+    # The property above is only meaningful if some pieces decode to an incomplete character.
+    partial = [t for t in smol_pool if smollm2_tokenizer.decode([t]).endswith("\ufffd")]
+    assert len(partial) >= 4
