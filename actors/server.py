@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.engine_client import fire_and_forget
@@ -383,15 +383,14 @@ class _View:
         return proto.sse(chunk)
 
 
-class _SSEResponse(Response):
+class _SSEResponse(StreamingResponse):
     """An SSE response that notices a vanished client (send fails) and always runs `on_close`.
 
-    Disconnects seen by `receive` are handled by the run's watcher, which ends the stream."""
-
-    media_type = "text/event-stream"
+    Disconnects seen by `receive` are handled by the run's watcher, which ends the stream (so,
+    unlike StreamingResponse, this one never reads `receive` itself)."""
 
     def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content=None, status_code=200, media_type=self.media_type,
+        super().__init__(body, status_code=200, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.body_iter, self.on_close = body, on_close
 

@@ -45,7 +45,7 @@ class _EngineStatsCollector(Collector):
             ("num_free_slots", "free_slots", "Engine slots not in use."),
         ):
             g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
-            g.add_metric(labels, float(s.get(key, 0)))
+            g.add_metric(labels, float(s.get(key) or 0))
             yield g
         healthy = GaugeMetricFamily(f"{PREFIX}_engine_healthy", "1 when the engine is healthy.",
                                     labels=["model"])
@@ -59,9 +59,10 @@ class _EngineStatsCollector(Collector):
             ("spec_accepted_tokens", "accepted_tokens", "Draft tokens accepted by the verifier."),
         ):
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
-            c.add_metric(labels, float(s.get(key, 0)))
+            c.add_metric(labels, float(s.get(key) or 0))
             yield c
-        drafted, accepted = float(s.get("drafted_tokens", 0)), float(s.get("accepted_tokens", 0))
+        drafted = float(s.get("drafted_tokens") or 0)
+        accepted = float(s.get("accepted_tokens") or 0)
         rate = GaugeMetricFamily(f"{PREFIX}_spec_acceptance_rate",
                                  "Accepted / drafted tokens since start.", labels=["model"])
         rate.add_metric(labels, accepted / drafted if drafted else 0.0)

@@ -80,6 +80,7 @@ def test_streamed_completion_equals_non_streamed_with_per_chunk_logprobs():
     r = run(post(FakeEngine(), "/v1/completions",
                  {**req, "stream": True, "stream_options": {"include_usage": True}}))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert "content-length" not in r.headers
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     usage_chunk = events[-2]

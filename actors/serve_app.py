@@ -1,0 +1,155 @@
+"""Ray Serve wiring: one deployment whose replica owns an Engine actor and serves the FastAPI app.
+
+- `build_app(args)`: the Serve application builder (`serve run actors.serve_app:build_app
+  config=...`, or KubeRay `import_path: actors.serve_app:build_app` with `args`).
+- `serve_main(argv)`: `specrelay serve --config FILE [--host 127.0.0.1 --port 8000 --api-key K]`
+  starts local Ray (or joins RAY_ADDRESS / --address), Serve's proxy and the app, then blocks.
+
+args keys: `config` (YAML path; None = defaults), `overrides` (EngineConfig fields; the Helm
+chart's names `target_model` and `draft_kind` are accepted too), and ServerSettings fields
+(`api_key`, `request_timeout_s`, `max_body_bytes`, `max_header_bytes`, `model_name`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from ray import serve
+
+from actors.engine_client import EngineClient
+from actors.server import API_KEY_ENV, ServerSettings, create_app
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "specrelay"
+DEFAULT_CONFIG = "configs/smollm2-cpu.yaml"
+# Helm chart (values.yaml) names -> EngineConfig fields.
+OVERRIDE_ALIASES = {"target_model": "model", "draft_kind": "draft"}
+# Requests are queued by the engine (which answers 429 when full), not by Serve: a high limit
+# keeps /health and /metrics from waiting behind long generations.
+MAX_ONGOING_REQUESTS = 4096
+
+
+def engine_overrides(raw: dict[str, Any] | None) -> dict[str, Any]:
+    """EngineConfig overrides from args; empty values (unset Helm fields) are dropped."""
+    out = {}
+    for key, value in (raw or {}).items():
+        if value is None or value == "":
+            continue
+        out[OVERRIDE_ALIASES.get(key, key)] = value
+    return out
+
+
+def server_settings(args: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(ServerSettings)}
+    return {k: v for k, v in args.items() if k in names}
+
+
+@serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=10, health_check_timeout_s=60)
+@serve.ingress()
+class SpecrelayServer:
+    """A replica: starts its Engine actor (owned by, and dying with, the replica) and the app."""
+
+    async def __init__(self, config_path: str | None, overrides: dict[str, Any],
+                       settings: dict[str, Any]) -> None:
+        from actors.engine import start_engine
+        from pipeline.config import load_config
+        from pipeline.runners import load_engine_tokenizer
+
+        config = load_config(resolve_config_path(config_path), overrides)
+        # start_engine and tokenizer loading block (model loads): keep the replica's loop free.
+        self.engine = await asyncio.to_thread(start_engine, config)
+        tokenizer = await asyncio.to_thread(load_engine_tokenizer, config)
+        self.client = EngineClient(self.engine)
+        self.http_app = create_app(self.client, tokenizer, ServerSettings(**settings))
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.http_app
+
+    async def check_health(self) -> None:
+        # Only a dead engine actor fails the replica (Serve restarts it); an engine that is
+        # rebuilding its stages reports unhealthy on /health but recovers by itself.
+        await asyncio.wait_for(self.client.health(), 30)
+
+    async def engine_stats(self) -> dict[str, Any]:
+        return await self.client.stats()
+
+
+def resolve_config_path(path: str | None) -> str | None:
+    """A relative config path that is not under the cwd is taken from the repository root
+    (replicas do not run in the caller's directory)."""
+    if path is None or os.path.isabs(path) or os.path.exists(path):
+        return path
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(root, path)
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The Serve application for `args` (see the module docstring)."""
+    args = dict(args or {})
+    config = args.get("config")
+    settings = server_settings(args)
+    options: dict[str, Any] = {}
+    if "num_replicas" in args:
+        options["num_replicas"] = int(args["num_replicas"])
+    deployment = SpecrelayServer.options(**options) if options else SpecrelayServer
+    return deployment.bind(config, engine_overrides(args.get("overrides")), settings)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specrelay serve",
+                                description="Serve the OpenAI-compatible API on Ray Serve.")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="engine config YAML")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: RAY_ADDRESS, else start a local one)")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray")
+    return p.parse_args(argv)
+
+
+def serve_main(argv: list[str]) -> int:
+    import ray
+
+    args = parse_args(argv)
+    if args.config and not os.path.exists(args.config):
+        print(f"specrelay serve: config not found: {args.config}", file=sys.stderr)
+        return 2
+    init: dict[str, Any] = {"address": args.address} if args.address else {}
+    if not args.address and not os.environ.get("RAY_ADDRESS"):
+        init.update(num_cpus=args.num_cpus, include_dashboard=False)
+    ray.init(**init)
+    app_args: dict[str, Any] = {
+        "config": os.path.abspath(args.config) if args.config else None,
+        "request_timeout_s": args.request_timeout, "max_body_bytes": args.max_body_bytes,
+        # "" disables the key explicitly, so a replica never falls back to its own env.
+        "api_key": args.api_key or "",
+    }
+    if args.served_model_name:
+        app_args["model_name"] = args.served_model_name
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
+    print(f"specrelay: serving on http://{args.host}:{args.port}/v1 "
+          f"(health: /health, metrics: /metrics){' with an API key' if args.api_key else ''}",
+          flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
+    return 0
