@@ -142,29 +142,50 @@ class Detokenizer:
     def sequences(self, ts: TextState, ids: list[int], window: list[int]) -> list[list[int]]:
         """What to decode for this step: the window since `prefix_offset` (plus the context alone
         when the tokenizer needs context)."""
-        seq = ids[ts.prefix_offset :] + window if ts.prefix_offset < len(ids) else window
+        seq = list(ids[ts.prefix_offset :]) + window
         if self.context_free:
             return [seq]
-        return [seq, ids[ts.prefix_offset : ts.read_offset]]
+        return [seq, list(ids[ts.prefix_offset : ts.read_offset])]
 
     def window(self, ts: TextState, texts: list[str]) -> DecodedWindow:
         """The decode results of `sequences` as a DecodedWindow."""
         context = len(texts[1]) if len(texts) > 1 else 0
         return DecodedWindow(texts[0], context + ts.extra)
 
-    def advance(self, ts: TextState, dw: DecodedWindow, end: int) -> TextState:
-        """Offsets after committing `dw` (the ids now end at `end`); `tail`/`pending` unchanged."""
+    def advance(self, ts: TextState, dw: DecodedWindow, end: int) -> tuple[int, int, int]:
+        """(prefix_offset, read_offset, extra) after committing `dw`; the ids now end at `end`."""
         context = dw.base - ts.extra  # chars of decode(ids[prefix:read])
         if dw.clean and (self.context_free or len(dw.full) > context):
             # A clean boundary: everything is committed. vLLM keeps the window as the next step's
             # context; a byte-level decoder needs none.
-            start = end if self.context_free else ts.read_offset
-            return TextState(start, end, 0, ts.tail, ts.pending, ts.chars_sent)
+            return (end if self.context_free else ts.read_offset), end, 0
         stable = len(dw.full) - (0 if dw.clean else 1)
-        extra = max(ts.extra, stable - context)
-        return TextState(
-            ts.prefix_offset, ts.read_offset, extra, ts.tail, ts.pending, ts.chars_sent
-        )
+        return ts.prefix_offset, ts.read_offset, max(ts.extra, stable - context)
+
+    def first_stop(
+        self,
+        ts: TextState,
+        ids: list[int],
+        window: list[int],
+        dw: DecodedWindow,
+        stops: StopStrings,
+        min_pos: int,
+        skip: bool,
+    ) -> tuple[int, tuple[int, int, str]] | None:
+        """The first stop string completed by `window` at an output position >= `min_pos`, as
+        (position, (start, end, stop) in `ts.tail + dw.committed`), or None."""
+        new = dw.committed
+        if not new:
+            return None
+        context = ts.tail + new
+        start = len(ids)
+        hit = stops.find(context, len(ts.tail))
+        while hit is not None:
+            pos = start + self.locate(ts, ids, window, dw, hit[1] - len(ts.tail), skip) - 1
+            if pos >= min_pos:
+                return pos, hit
+            hit = stops.find(context, hit[1])  # completed before min_new_tokens: ignored
+        return None
 
     def locate(
         self,
@@ -177,7 +198,7 @@ class Detokenizer:
     ) -> int:
         """Smallest k such that the first k window tokens commit at least `chars` new characters
         (binary search over decodes; called only when a stop string matched)."""
-        head = ids[ts.prefix_offset :]
+        head = list(ids[ts.prefix_offset :])
         lo, hi = 1, len(window)
         while lo < hi:
             mid = (lo + hi) // 2

