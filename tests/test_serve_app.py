@@ -56,8 +56,8 @@ def test_completions_stream_equals_non_stream_with_stop_string_and_logprobs(clie
     stop = text[8:10]  # a stop string that certainly occurs: it ends at or before char 10
     cut = text[: text.index(stop)]
 
-    kwargs = dict(model="tiny", prompt=prompt, max_tokens=24, stop=[stop], logprobs=2,
-                  extra_body={"ignore_eos": True})
+    kwargs = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "stop": [stop],
+              "logprobs": 2, "extra_body": {"ignore_eos": True}}
     full = client.completions.create(**kwargs)
     c = full.choices[0]
     assert (c.text, c.finish_reason, c.model_extra["stop_reason"]) == (cut, "stop", stop)
@@ -127,16 +127,16 @@ def test_disconnecting_streaming_client_frees_its_slots(base_url):
     before = stats()
     assert before["num_requests_running"] == 0
     max_tokens = 200  # with k=4 a choice needs >= 40 verify steps to finish
-    with httpx.Client(base_url=base_url, timeout=30) as h:
-        with h.stream("POST", "/v1/completions", headers=AUTH, json={
-                "model": "tiny", "prompt": "go", "max_tokens": max_tokens, "n": 4,
-                "ignore_eos": True, "stream": True}) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            busy = stats()
-            assert busy["num_requests_running"] >= 1
-            start_steps = busy["engine_steps_total"]
+    body = {"model": "tiny", "prompt": "go", "max_tokens": max_tokens, "n": 4,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=base_url, timeout=30) as h, \
+            h.stream("POST", "/v1/completions", headers=AUTH, json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        busy = stats()
+        assert busy["num_requests_running"] >= 1
+        start_steps = busy["engine_steps_total"]
     # Closed after the first chunk: the server aborts, the engine frees all four slots.
     deadline = time.monotonic() + 10
     while True:

@@ -1,0 +1,225 @@
+"""Batch generation as a Ray Job: every prompt of a JSON-lines file through one engine.
+
+    ray job submit --address http://127.0.0.1:8265 -- .venv/bin/python scripts/batch_generate.py \\
+        --input prompts.jsonl --output results.jsonl [--config FILE] [--max-tokens N]
+
+Input: one JSON object per line with `prompt` (text or token ids) or chat `messages`, optionally
+`id` and OpenAI sampling fields (max_tokens, temperature, top_p, top_k, seed, stop,
+stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs); a bare JSON
+string is a prompt. Output: one object per input line, in input order: id, text, finish_reason,
+matched_stop, token counts, spec_stats (or `error` for a line that could not run).
+
+Joins the running Ray cluster (RAY_ADDRESS as set by `ray job submit`, or --address, or
+"auto"); starts a local one when there is none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# `ray job submit` runs this file by path; make the repository's packages importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from actors.server import TokenizerAdapter
+from pipeline import openai_protocol as proto
+from pipeline.errors import EngineOverloadedError
+from pipeline.params import SamplingParams
+
+DEFAULT_CONFIG = "configs/smollm2-cpu.yaml"
+
+
+@dataclass
+class Item:
+    index: int
+    id: Any
+    prompt_ids: list[int] | None = None
+    params: SamplingParams | None = None
+    error: str | None = None
+
+
+@dataclass
+class Progress:
+    total: int
+    done: int = 0
+    errors: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.monotonic)
+
+    def line(self) -> str:
+        dt = max(time.monotonic() - self.start, 1e-9)
+        return (f"progress: {self.done}/{self.total} prompts, {self.errors} errors, "
+                f"{self.tokens} tokens, {self.tokens / dt:.1f} tok/s, {dt:.1f}s")
+
+
+def parse_line(index: int, line: str, tokenizer: TokenizerAdapter, max_model_len: int,
+               vocab_size: int, default_max_tokens: int | None) -> Item:
+    """One input line -> prompt ids and SamplingParams (validated like the HTTP API)."""
+    try:
+        data = json.loads(line)
+    except ValueError as e:
+        return Item(index, None, error=f"invalid JSON: {e}")
+    if isinstance(data, str):
+        data = {"prompt": data}
+    if not isinstance(data, dict):
+        return Item(index, None, error="each line must be a JSON object or string")
+    item_id = data.pop("id", index)
+    if default_max_tokens is not None:
+        data.setdefault("max_tokens", default_max_tokens)
+    data["stream"] = False
+    data.pop("n", None)
+    try:
+        if "messages" in data:
+            req = proto.parse_chat_request(data)
+            ids = tokenizer.chat_prompt(proto.chat_messages_as_dicts(req),
+                                        req.add_generation_prompt)
+        else:
+            req = proto.parse_completion_request(data)
+            prompts = proto.completion_prompts(req)
+            if len(prompts) != 1:
+                raise proto.bad_request("prompt: one prompt per line", param="prompt")
+            one = prompts[0]
+            ids = list(tokenizer.encode(one)) if isinstance(one, str) else list(one)
+            proto.check_prompt_ids(ids, vocab_size, "prompt")
+        params = proto.to_sampling_params(req, len(ids), max_model_len)
+    except proto.APIError as e:
+        return Item(index, item_id, error=e.message)
+    return Item(index, item_id, ids, params)
+
+
+async def run_one(engine: Any, item: Item, rid: str) -> dict[str, Any]:
+    """Generate one item, retrying while the engine's queue is full."""
+    assert item.prompt_ids is not None and item.params is not None
+    choice = proto.ChoiceState(index=0)
+    delay = 0.05
+    while True:
+        try:
+            async for out in engine.generate(rid, item.prompt_ids, item.params):
+                choice.add(out)
+            break
+        except EngineOverloadedError:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+    return {"id": item.id, "index": item.index, "text": choice.text,
+            "finish_reason": choice.finish_reason, "matched_stop": choice.matched_stop,
+            "prompt_tokens": len(item.prompt_ids), "completion_tokens": len(choice.token_ids),
+            "spec_stats": choice.spec_stats(), "error": None}
+
+
+async def generate_all(engine: Any, items: list[Item], concurrency: int,
+                       progress_every: float) -> tuple[Progress, list[dict[str, Any]]]:
+    """Every item through the engine, at most `concurrency` at once; results in input order."""
+    progress = Progress(total=len(items))
+    results: dict[int, dict[str, Any]] = {}
+    sem = asyncio.Semaphore(concurrency)
+    run_id = f"batch-{os.getpid()}-{int(time.time())}"
+
+    async def one(item: Item) -> None:
+        if item.error is not None:
+            res = {"id": item.id, "index": item.index, "error": item.error}
+        else:
+            async with sem:
+                try:
+                    res = await run_one(engine, item, f"{run_id}-{item.index}")
+                except Exception as e:  # noqa: BLE001 - one failed prompt must not stop the job
+                    res = {"id": item.id, "index": item.index,
+                           "error": f"{type(e).__name__}: {e}"}
+        results[item.index] = res
+        progress.done += 1
+        progress.errors += res.get("error") is not None
+        progress.tokens += res.get("completion_tokens", 0)
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(progress_every)
+            print(progress.line(), flush=True)
+
+    reporter = asyncio.create_task(report())
+    try:
+        await asyncio.gather(*(one(it) for it in items))
+    finally:
+        reporter.cancel()
+    return progress, [results[i] for i in range(len(items))]
+
+
+def write_results(path: str, rows: list[dict[str, Any]]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    os.replace(tmp, path)  # readers never see a half-written results file
+
+
+def connect_ray(address: str | None) -> None:
+    import ray
+
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address or os.environ["RAY_ADDRESS"])
+        return
+    try:
+        ray.init(address="auto")
+    except ConnectionError:
+        print("no running Ray cluster found: starting a local one", flush=True)
+        ray.init()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--input", required=True, help="prompts, JSON lines")
+    p.add_argument("--output", required=True, help="results, JSON lines (input order)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="engine config YAML")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default max_tokens for lines that do not set it")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight (default: the engine's slots + waiting room)")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS/auto)")
+    p.add_argument("--progress-every", type=float, default=5.0, help="seconds between lines")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from actors.engine import start_engine, stop_engine
+    from actors.engine_client import EngineClient
+    from pipeline.config import load_config
+    from pipeline.runners import load_engine_tokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config_path = args.config
+    if not os.path.exists(config_path) and os.path.exists(os.path.join(root, config_path)):
+        config_path = os.path.join(root, config_path)
+    config = load_config(config_path)
+    tokenizer = TokenizerAdapter(load_engine_tokenizer(config))
+    with open(args.input, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    connect_ray(args.address)
+    t0 = time.monotonic()
+    handle = start_engine(config)
+    print(f"engine {config.served_name} ready in {time.monotonic() - t0:.1f}s; "
+          f"{len(lines)} prompts", flush=True)
+    try:
+        info = asyncio.run(_model_info(handle))
+        items = [parse_line(i, line, tokenizer, config.max_model_len, int(info["vocab_size"]),
+                            args.max_tokens) for i, line in enumerate(lines)]
+        concurrency = args.concurrency or config.num_slots + config.max_waiting
+        progress, rows = asyncio.run(generate_all(EngineClient(handle), items, concurrency,
+                                                  args.progress_every))
+    finally:
+        stop_engine(handle)
+    write_results(args.output, rows)
+    print(progress.line(), flush=True)
+    print(f"wrote {args.output}", flush=True)
+    return 0  # per-line errors are in the results file and the counts above
+
+
+async def _model_info(handle: Any) -> dict[str, Any]:
+    return await handle.model_info.remote()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
