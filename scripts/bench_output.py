@@ -35,7 +35,22 @@ LENGTHS = (100, 10_000, 100_000)
 
 def make_processor(tokenizer, args: argparse.Namespace):
     """The processor under test (wrap it here, e.g. in a TracedOutputProcessor, for --trace)."""
-    return OutputProcessor(tokenizer, EOS)
+    if not args.trace:
+        return OutputProcessor(tokenizer, EOS)
+    # --trace: spans at the given sampling ratio through a BatchSpanProcessor into an exporter that
+    # drops them, so this measures recording, not export.
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from pipeline.output_tracing import TracedOutputProcessor
+    from pipeline.tracing import make_provider, resolve_config
+
+    class Discard(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    cfg = resolve_config("bench", {"sample_ratio": args.trace_ratio}, environ={})
+    tracer = make_provider(cfg, Discard()).get_tracer("specrelay")
+    return TracedOutputProcessor(OutputProcessor(tokenizer, EOS), tracer)
 
 
 def smollm2_tokenizer():
@@ -172,6 +187,8 @@ def main() -> None:
     ap.add_argument("--scale-steps", type=int, default=20, help="steps per block, length test")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-scaling", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="TracedOutputProcessor, spans discarded")
+    ap.add_argument("--trace-ratio", type=float, default=1.0, help="sampling ratio for --trace")
     args = ap.parse_args()
     big = 1 << 20  # no request reaches the length limit during the benchmark
     ids_params = SamplingParams(max_new_tokens=big, logprobs=0)
