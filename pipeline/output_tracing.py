@@ -6,45 +6,42 @@ Span and attribute names are DESIGN's. Added here (documented for `specrelay tra
 - On `spec.verify_step`, per-request arrays aligned with `spec.request.ids` (the step's request ids,
   in message order): `spec.request.drafted` (drafts proposed), `spec.request.accepted` (raw
   acceptance, len - 1), `spec.request.retained` (tokens kept in the output: the whole window, the
-  part up to the finish position, or 0 for a dropped request). One attribute per step, not one
-  event per request, keeps the cost per step flat.
+  part up to the finish position, or 0 for a request the step was dropped for). One attribute per
+  step, not one event per request, keeps the cost per step flat.
 - `finish.matched` is always a string: the stop string itself, or a stop token id in decimal.
   `finish.matched_kind` says which ("string" or "token_id") so a reader can give back the exact
   `matched_stop`. Both are omitted when nothing was matched (length, abort).
 
-Cost: the step span's attributes are built once per step from the message's arrays; per request we
-only do a dict lookup and keep a counter; nothing is per token. When the step span is not sampled
-(the verifier's traceparent came unsampled, or the ratio said no) no attribute or event is built.
+Cost: spans are built by `pipeline.tracing.SpanRecorder` (the SDK's sampler, ids and processors,
+without its per-value validation); per request and step we do a dict lookup and add to a counter;
+nothing is per token. A step whose span is not sampled builds no attribute, event or link.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace import Event
+from opentelemetry.trace import Link, SpanKind
 
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, decode_columns
 from pipeline.request_output import RequestOutput
-from pipeline.tracing import context_from_traceparent, get_tracer, traceparent_of
+from pipeline.tracing import OpenSpan, SpanRecorder, context_from_traceparent, get_tracer
 
 REQUEST_SPAN = "spec.request"
 STEP_SPAN = "spec.verify_step"
 FINISH_EVENT = "spec.finish"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Live:
-    """A traced request between add_request and finish/abort."""
+    """A request between add_request and finish/abort."""
 
-    span: trace.Span
-    link: Link | None  # None when the request span is not sampled: nothing to link to
-    retained: int = 0  # output tokens retained so far, including the current step's window
-    last_n: int = 0  # window length in the step being processed
-    last_i: int = 0  # index in that step's message
+    span: OpenSpan | None  # None when tracing is off
+    prompt_tokens: int
 
 
 def matched_attributes(matched: int | str | None) -> dict[str, Any]:
@@ -67,16 +64,18 @@ def matched_from_attributes(attrs: dict[str, Any]) -> int | str | None:
 
 
 class TracedOutputProcessor:
-    """Wraps an OutputProcessor (same public API) and records its steps and finishes as spans.
+    """Wraps an OutputProcessor (same public API) and records its requests and steps as spans.
 
-    `inner` must offer `add_request`, `abort`, `process_columns`; the wrapper decodes each payload
-    once and hands the columns on. Outputs are returned unchanged.
+    `inner` must offer `add_request`, `abort`, `process_columns`; payloads are decoded once here and
+    the columns handed on. Outputs are returned unchanged. `tracer` (default: this process's, from
+    `setup_tracing`) must come from an SDK TracerProvider; any other tracer records nothing.
     """
 
     def __init__(self, inner: Any, tracer: trace.Tracer | None = None) -> None:
         self.inner = inner
-        self.tracer = tracer if tracer is not None else get_tracer()
+        self.spans = SpanRecorder(tracer if tracer is not None else get_tracer())
         self._live: dict[str, _Live] = {}
+        self._links: dict[str, Link] = {}  # requests whose span is recorded -> link to it
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -87,37 +86,29 @@ class TracedOutputProcessor:
         params: SamplingParams,
         traceparent: str | None = None,
     ) -> None:
-        """Add the request to `inner`, then start its `spec.request` span under `traceparent`
-        (e.g. the HTTP server span's). A request `inner` rejects gets no span."""
+        """Add the request to `inner`, then start its `spec.request` span as a child of
+        `traceparent` (e.g. the HTTP server span). A request `inner` rejects gets no span."""
         self.inner.add_request(rid, prompt_ids, params)
-        span = self.tracer.start_span(
-            REQUEST_SPAN,
-            context=context_from_traceparent(traceparent),
-            attributes={"request.id": rid, "request.prompt_tokens": len(prompt_ids)},
-        )
-        link = Link(span.get_span_context()) if span.is_recording() else None
-        self._live[rid] = _Live(span, link)
+        span = self.spans.start(REQUEST_SPAN, context_from_traceparent(traceparent))
+        self._live[rid] = _Live(span, len(prompt_ids))
+        if span is not None and span.recording:
+            self._links[rid] = Link(span.context)
 
     def abort(self, rid: str) -> RequestOutput | None:
         out = self.inner.abort(rid)
-        live = self._live.pop(rid, None)
-        if live is not None:
-            attrs: dict[str, Any] = {
-                "request.completion_tokens": live.retained,
-                "finish.reason": "abort",
-            }
+        if rid in self._live:
+            attrs: dict[str, Any] = {"finish.reason": "abort"}
             if out is not None:
+                attrs["request.completion_tokens"] = out.finished_len or 0
                 attrs["spec.verify_ct"] = out.spec_verify_ct
                 attrs["spec.accepted_tokens"] = out.spec_accepted_tokens
-            self._end_request(live, attrs)
+            self._end_request(rid, attrs)
         return out
 
     def request_traceparent(self, rid: str) -> str | None:
-        """The W3C traceparent of a live request's span (for the engine to pass on), or None."""
+        """W3C traceparent of a running request's span (for spans made about it elsewhere)."""
         live = self._live.get(rid)
-        if live is None or not live.span.get_span_context().is_valid:
-            return None
-        return traceparent_of(live.span)
+        return None if live is None or live.span is None else live.span.traceparent()
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -126,115 +117,88 @@ class TracedOutputProcessor:
         return self.process_columns(decode_columns(payload))
 
     def process_columns(self, cols: StepColumns) -> list[RequestOutput]:
+        """Process one step through `inner`; record its span, finish events and request ends.
+
+        Relies on the output contract: one delta per running request of the step whose
+        `token_ids` are the tokens it retained from this step's window (so the finishing delta's
+        length gives the finish's window position), none for a request the step is dropped for.
+        """
         rids = cols.rids
-        lengths = cols.lengths.tolist()
-        live_map = self._live
-        links: list[Link] = []
-        for i, (rid, n) in enumerate(zip(rids, lengths)):
-            live = live_map.get(rid)
-            if live is None:  # dropped by inner: finished, aborted or unknown
-                continue
-            live.retained += n
-            live.last_n = n
-            live.last_i = i
-            if live.link is not None:
-                links.append(live.link)
-        span = self.tracer.start_span(
-            STEP_SPAN,
-            context=context_from_traceparent(cols.traceparent),
-            kind=SpanKind.CONSUMER,
-            links=links,
-        )
-        recording = span.is_recording()
+        span = self.spans.start(STEP_SPAN, context_from_traceparent(cols.traceparent), _CONSUMER)
+        recording = span is not None and span.recording
+        # Links are taken before inner ends the requests that finish in this step.
+        links = list(filter(None, map(self._links.get, rids))) if recording else None
         try:
             outs = self.inner.process_columns(cols)
-        except Exception as e:
-            self._undo(rids, lengths)
-            if recording:
-                span.record_exception(e)
-                span.set_status(Status(StatusCode.ERROR, str(e)))
-            span.end()
+        except Exception as e:  # inner changed nothing; neither do we
+            self.spans.end(span, {"spec.step": cols.step}, error=e)
             raise
-        retained = self._finish(cols, outs, span if recording else None, lengths)
-        if recording:
-            accepted = (cols.lengths - 1).tolist()  # raw: len <= drafted + 1, so 0 for a prefill
-            span.set_attributes(
-                {
-                    "spec.step": cols.step,
-                    "spec.batch_size": len(rids),
-                    "spec.drafted_tokens": int(cols.drafted.sum()),
-                    "spec.accepted_tokens": sum(accepted),
-                    "spec.request.ids": rids,
-                    "spec.request.drafted": cols.drafted.tolist(),
-                    "spec.request.accepted": accepted,
-                    "spec.request.retained": retained,
-                }
-            )
-        span.end()
+        finished = [out for out in outs if out.finished]
+        if not recording:
+            for out in finished:
+                self._end_finished(out, cols.step)
+            return outs
+        lengths = cols.lengths.tolist()
+        if len(outs) == len(rids):  # nobody dropped: every window retained whole but the finishes
+            retained = lengths
+        else:
+            live = self._live
+            retained = [n if rid in live else 0 for rid, n in zip(rids, lengths)]
+        events = []
+        for out in finished:
+            kept = len(out.token_ids)
+            retained[rids.index(out.rid)] = kept
+            events.append(Event(FINISH_EVENT, self._end_finished(out, cols.step, kept)))
+        accepted = (cols.lengths - 1).tolist()  # raw: len <= drafted + 1, so 0 for a prefill
+        attrs = {
+            "spec.step": cols.step,
+            "spec.batch_size": len(rids),
+            "spec.drafted_tokens": int(cols.drafted.sum()),
+            "spec.accepted_tokens": sum(accepted),
+            "spec.request.ids": tuple(rids),
+            "spec.request.drafted": tuple(cols.drafted.tolist()),
+            "spec.request.accepted": tuple(accepted),
+            "spec.request.retained": tuple(retained),
+        }
+        self.spans.end(span, attrs, events, links)
         return outs
 
-    def _finish(
-        self,
-        cols: StepColumns,
-        outs: Iterable[RequestOutput],
-        span: trace.Span | None,
-        lengths: list[int],
-    ) -> list[int] | None:
-        """End the request spans of requests this step finished; add their `spec.finish` events to
-        `span` (None when not recording). Returns the per-request retained counts when recording."""
-        retained: list[int] | None = None
-        if span is not None:
-            live_map = self._live
-            retained = [n if rid in live_map else 0 for rid, n in zip(cols.rids, lengths)]
-        for out in outs:
-            if not out.finished:
-                continue
-            live = self._live.pop(out.rid, None)
-            if live is None:
-                continue
-            finished_len = out.finished_len if out.finished_len is not None else live.retained
-            before = live.retained - live.last_n  # retained before this step
-            kept = finished_len - before
-            live.retained = finished_len
-            matched = matched_attributes(out.matched_stop)
-            if span is not None:
-                retained[live.last_i] = kept
-                span.add_event(
-                    FINISH_EVENT,
-                    {
-                        "request.id": out.rid,
-                        "finish.reason": out.finish_reason or "",
-                        **matched,
-                        "finish.len": finished_len,
-                        "finish.window_position": kept - 1,
-                    },
-                )
-            attrs = {
-                "request.completion_tokens": finished_len,
-                "finish.reason": out.finish_reason or "",
+    def _end_finished(self, out: RequestOutput, step: int, kept: int = 0) -> dict[str, Any]:
+        """End the span of a request `step` finished; returns its `spec.finish` event attributes
+        (`kept`: tokens it retained from this step's window)."""
+        matched = matched_attributes(out.matched_stop)
+        reason = out.finish_reason or ""
+        self._end_request(
+            out.rid,
+            {
+                "request.completion_tokens": out.finished_len,
+                "finish.reason": reason,
                 **matched,
+                "finish.step": out.finish_step if out.finish_step is not None else step,
                 "spec.verify_ct": out.spec_verify_ct,
                 "spec.accepted_tokens": out.spec_accepted_tokens,
-            }
-            attrs["finish.step"] = out.finish_step if out.finish_step is not None else cols.step
-            self._end_request(live, attrs)
-        return retained
+            },
+        )
+        return {
+            "request.id": out.rid,
+            "finish.reason": reason,
+            **matched,
+            "finish.len": out.finished_len,
+            "finish.window_position": kept - 1,
+        }
 
-    def _undo(self, rids: list[str], lengths: list[int]) -> None:
-        """inner rejected the step and changed nothing: take back the provisional counts."""
-        for rid, n in zip(rids, lengths):
-            live = self._live.get(rid)
-            if live is not None:
-                live.retained -= n
-
-    @staticmethod
-    def _end_request(live: _Live, attrs: dict[str, Any]) -> None:
-        if live.span.is_recording():
-            live.span.set_attributes(attrs)
-        live.span.end()
+    def _end_request(self, rid: str, attrs: dict[str, Any]) -> None:
+        live = self._live.pop(rid, None)
+        if self._links.pop(rid, None) is None or live is None:  # not recorded
+            return
+        head = {"request.id": rid, "request.prompt_tokens": live.prompt_tokens}
+        self.spans.end(live.span, {**head, **attrs})
 
     def __getattr__(self, name: str) -> Any:
-        # Anything else (stats, counters of dropped steps) reads through to the wrapped processor.
+        # Anything else (num_requests, dropped_steps, get_state) reads through to the wrapped one.
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+_CONSUMER = SpanKind.CONSUMER

@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -45,6 +47,8 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACER_NAME = "specrelay"
@@ -241,3 +245,101 @@ def context_from_traceparent(tp: str | None) -> context_api.Context:
     if not tp:
         return context_api.Context()
     return _PROPAGATOR.extract({"traceparent": tp}, context=context_api.Context())
+
+
+# ------------------------------------------------------------------------------- hot-path spans
+
+
+@dataclass(slots=True)
+class OpenSpan:
+    """A span started by SpanRecorder: its identity and start time; nothing else is kept."""
+
+    name: str
+    context: SpanContext
+    parent: SpanContext | None
+    kind: SpanKind
+    start_ns: int
+    recording: bool
+
+    def traceparent(self) -> str:
+        return f"00-{self.context.trace_id:032x}-{self.context.span_id:016x}-{self.context.trace_flags:02x}"
+
+
+class SpanRecorder:
+    """Spans for the output path, built as finished ReadableSpans in one go.
+
+    Why not `tracer.start_span`: the SDK validates every attribute value element by element and
+    rebuilds an attribute set for every link, about 1.5 us per request per step for a step span
+    that links a 256-request batch -- 30% of the output processor's own time. Here a span is
+    decided at start (the tracer's own sampler and id generator, so sampling and ids are the
+    SDK's) and assembled at end from values the caller guarantees well-typed (str, int, float,
+    bool, or tuples of one of them), then handed to the tracer's span processors (batch, export)
+    exactly as an ended SDK span is. Not applied: span limits and processors' `on_start`.
+
+    `tracer` must be an SDK tracer (from a TracerProvider); for anything else (OpenTelemetry's
+    no-op or proxy tracer) `enabled` is False and nothing is recorded.
+    """
+
+    def __init__(self, tracer: trace.Tracer, scope: str = TRACER_NAME) -> None:
+        self.enabled = isinstance(tracer, SdkTracer)
+        self._tracer = tracer
+        self._scope = InstrumentationScope(scope)
+
+    def start(
+        self,
+        name: str,
+        parent: context_api.Context | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        links: Sequence[Link] = (),
+    ) -> OpenSpan | None:
+        """Decide and identify a span (None when the recorder is disabled)."""
+        if not self.enabled:
+            return None
+        tracer = self._tracer
+        parent_ctx = trace.get_current_span(parent).get_span_context() if parent else None
+        if parent_ctx is not None and not parent_ctx.is_valid:
+            parent_ctx = None
+        trace_id = parent_ctx.trace_id if parent_ctx else tracer.id_generator.generate_trace_id()
+        result = tracer.sampler.should_sample(parent, trace_id, name, kind, None, links)
+        flags = TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT
+        ctx = SpanContext(
+            trace_id,
+            tracer.id_generator.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(flags),
+            trace_state=result.trace_state,
+        )
+        return OpenSpan(name, ctx, parent_ctx, kind, time.time_ns(), result.decision.is_recording())
+
+    def end(
+        self,
+        span: OpenSpan | None,
+        attributes: dict[str, Any],
+        events: Sequence[Event] = (),
+        links: Sequence[Link] = (),
+        error: BaseException | None = None,
+    ) -> None:
+        """Finish `span` with these attributes, events and links; nothing when not recording."""
+        if span is None or not span.recording:
+            return
+        status = Status()
+        if error is not None:  # what the SDK's record_exception / set_status would have added
+            status = Status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
+            exc = {"exception.type": type(error).__name__, "exception.message": str(error)}
+            events = (*events, Event("exception", exc))
+        self._tracer.span_processor.on_end(
+            ReadableSpan(
+                name=span.name,
+                context=span.context,
+                parent=span.parent,
+                resource=self._tracer.resource,
+                attributes=attributes,
+                events=tuple(events),
+                links=tuple(links),
+                kind=span.kind,
+                status=status,
+                start_time=span.start_ns,
+                end_time=time.time_ns(),
+                instrumentation_scope=self._scope,
+            )
+        )
