@@ -83,6 +83,19 @@ class SpecrelayServer:
     async def engine_stats(self) -> dict[str, Any]:
         return await self.client.stats()
 
+    async def __del__(self) -> None:
+        # Replica shutdown: stop the engine so its stage actors and placement group go too.
+        import ray
+
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        try:
+            await asyncio.wait_for(engine.shutdown.remote(), 30)
+        except Exception as e:  # noqa: BLE001 - killed below either way
+            log.warning("engine shutdown: %s", e)
+        ray.kill(engine, no_restart=True)
+
 
 def resolve_config_path(path: str | None) -> str | None:
     """A relative config path that is not under the cwd is taken from the repository root

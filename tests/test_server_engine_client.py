@@ -1,0 +1,98 @@
+"""EngineClient over a stand-in actor handle: Ray error unwrapping and abort on early close."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray.exceptions as rex
+
+from actors.engine_client import EngineClient, unwrap
+from pipeline.errors import EngineDeadError, EngineOverloadedError
+from pipeline.params import SamplingParams
+from pipeline.request_output import RequestOutput
+
+
+def test_unwrap_gives_the_engine_error_and_maps_dead_actors():
+    wrapped = rex.RayTaskError("generate", "traceback", EngineOverloadedError("queue full"))
+    err = unwrap(wrapped)
+    assert isinstance(err, EngineOverloadedError) and str(err) == "queue full"
+    assert isinstance(unwrap(rex.RayActorError(error_msg="gone")), EngineDeadError)
+    plain = ValueError("x")
+    assert unwrap(plain) is plain
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeHandle:
+    """Mimics an actor handle: generate.remote returns an async iterator of awaitable refs."""
+
+    def __init__(self, outputs, error=None):
+        self.outputs, self.error, self.aborted = outputs, error, []
+        self.generate = _Method(self._generate)
+        self.abort = _Method(self._abort)
+        self.health = _Method(self._dead)
+
+    async def _ref(self, value):
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    async def _generate(self, rid, ids, params, traceparent):
+        for out in self.outputs:
+            yield self._ref(out)
+        if self.error is not None:
+            yield self._ref(self.error)
+
+    def _abort(self, rid):
+        self.aborted.append(rid)
+        return self._ref(None)
+
+    def _dead(self):
+        return self._ref(rex.RayActorError(error_msg="actor died"))
+
+
+def collect(client, rid="r1"):
+    async def go():
+        return [o async for o in client.generate(rid, [1, 2], SamplingParams())]
+    return asyncio.run(go())
+
+
+def test_generate_yields_until_finished_without_aborting():
+    handle = FakeHandle([RequestOutput("r1", [5], "a"),
+                         RequestOutput("r1", [6], "b", finished=True, finish_reason="length")])
+    outs = collect(EngineClient(handle))
+    assert [o.text for o in outs] == ["a", "b"] and handle.aborted == []
+
+
+def test_overload_before_the_first_delta_raises_the_engine_error():
+    handle = FakeHandle([], error=rex.RayTaskError("generate", "tb", EngineOverloadedError("full")))
+    with pytest.raises(EngineOverloadedError):
+        collect(EngineClient(handle))
+
+
+def test_closing_early_aborts_the_request():
+    handle = FakeHandle([RequestOutput("r1", [5], "a"), RequestOutput("r1", [6], "b")])
+    client = EngineClient(handle)
+
+    async def go():
+        agen = client.generate("r9", [1], SamplingParams())
+        first = await agen.__anext__()
+        await agen.aclose()
+        await asyncio.sleep(0)  # the abort is fire-and-forget
+        await asyncio.sleep(0)
+        return first
+
+    assert asyncio.run(go()).text == "a"
+    assert handle.aborted == ["r9"]
+
+
+def test_dead_actor_on_health_is_engine_dead_error():
+    with pytest.raises(EngineDeadError):
+        asyncio.run(EngineClient(FakeHandle([])).health())
