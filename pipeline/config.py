@@ -25,7 +25,7 @@ class EngineConfig:
     name: str | None = None  # served model name; defaults to the source's base name
     draft: str = "ngram"  # ngram | model | none
     draft_model: str | None = None  # for draft: model; `tiny:<seed>` pairs with `model: tiny:<seed>`
-    draft_agreement_noise: float = 0.3  # tiny draft only: weight noise vs the target
+    draft_agreement_noise: float = 0.1  # tiny draft only: weight noise vs the target
     num_speculative_tokens: int = 4
     tensor_parallel_size: int = 1
     num_slots: int = 8

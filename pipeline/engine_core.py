@@ -172,6 +172,8 @@ class EngineCore:
         if pending is not None:  # step s-1's output is handled while step s drafts and verifies
             await self._deliver(pending)
         outcome = await step
+        if not outcome.rids:  # a release-only step: nothing to output
+            return None
         self.scheduler.apply(outcome)
         self.stats.record(outcome)
         self.last_progress = time.time()

@@ -52,15 +52,6 @@ def make_output_processor(tokenizer: Any, eos_token_ids: list[int]) -> Any:
     return OutputProcessor(tokenizer, eos_token_ids)
 
 
-def engine_eos_ids(runner: Any) -> list[int]:
-    """EOS ids from the tokenizer when there is one, else from the model config."""
-    if runner.tokenizer is not None and hasattr(runner.tokenizer, "get_vocab"):
-        from pipeline.tokenizer import eos_token_ids
-
-        return eos_token_ids(runner.tokenizer)
-    return list(runner.config.eos_token_ids)
-
-
 def build_local_engine(config: EngineConfig) -> EngineCore:
     """An EngineCore over in-process stages (tensor_parallel_size must be 1)."""
     from pipeline.runners import build_runner
@@ -68,7 +59,9 @@ def build_local_engine(config: EngineConfig) -> EngineCore:
     if config.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: the in-process engine runs one rank; use Ray")
     runner = build_runner(config, "target")
-    output = make_output_processor(runner.tokenizer, engine_eos_ids(runner))
+    from pipeline.tokenizer import eos_token_ids
+
+    output = make_output_processor(runner.tokenizer, eos_token_ids(runner.tokenizer))
     stages = LocalStages(build_proposer(config), Verifier(runner), output)
     return EngineCore(config, stages, runner.vocab_size)
 

@@ -111,11 +111,11 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------
     def schedule(self, traceparent: str | None = None) -> StepPlan | None:
-        """The next step's plan (release, admit FIFO into free slots, verify the rest), or None
-        when there is nothing to run (state is then left untouched)."""
+        """The next step's plan (release, admit FIFO into free slots, verify the rest); a
+        release-only plan when only slots are left to free; None when there is nothing to do."""
         decode = [r for r in self.running.values() if self._steppable(r)]
         admit = min(len(self.waiting), self.num_slots - len(self.running))
-        if not decode and admit <= 0:
+        if not decode and admit <= 0 and not self._release:
             return None
         plan = StepPlan(step=self._step, release=self._release, traceparent=traceparent)
         self._step += 1

@@ -51,6 +51,8 @@ class Verifier:
                 raise ValueError(f"verifier: request {new.rid!r} is already running")
             self._slots[new.rid] = self.runner.allocate()
             self._params[new.rid] = new.params
+        if not plan.rids:  # a release-only plan
+            return StepOutcome(plan.step, [], [], []) if self.driver else None
         drafts = self._drafts(plan, proposal)
         logits = self._forward(plan, drafts)
         if not self.driver:

@@ -1,0 +1,27 @@
+"""DraftWorker: holds the engine's Proposer; one `propose` call per step."""
+
+from __future__ import annotations
+
+from pipeline.config import EngineConfig
+from pipeline.drafting import build_proposer, draft_step
+from pipeline.proposers.base import Proposal
+from pipeline.step_plan import StepPlan
+
+
+class DraftWorker:
+    def __init__(self, config: EngineConfig) -> None:
+        _set_threads(config)
+        self.proposer = build_proposer(config)
+
+    def propose(self, plan: StepPlan) -> Proposal:
+        return draft_step(self.proposer, plan)
+
+    def ping(self) -> bool:
+        return True
+
+
+def _set_threads(config: EngineConfig) -> None:
+    if config.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)

@@ -1,0 +1,244 @@
+"""Engine: an async Ray actor that runs pipeline.engine_core's step loop over actor stages.
+
+`start_engine(config)` creates it; it creates its stage actors (a DraftWorker, one TargetVerifier
+per TP rank in a placement group, an OutputActor). When a stage fails, in-flight requests end
+with EngineDeadError, the engine reports unhealthy, and it rebuilds its stage actors in the
+background; `health()` turns healthy again once the new ones are up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config import EngineConfig
+from pipeline.engine_core import EngineCore
+from pipeline.errors import EngineDeadError
+from pipeline.params import SamplingParams
+from pipeline.request_output import RequestOutput
+from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageActors:
+    draft: Any
+    verifiers: list[Any]
+    output: Any
+    placement_group: Any
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def all(self) -> list[Any]:
+        return [self.draft, *self.verifiers, self.output]
+
+    def kill(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.all:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        try:
+            remove_placement_group(self.placement_group)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
+
+
+async def create_stage_actors(config: EngineConfig) -> StageActors:
+    """Start the draft, verifier ranks (one placement-group bundle each) and output actors."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from actors.draft import DraftWorker
+    from actors.output import OutputActor
+    from actors.verifier import TargetVerifier
+
+    gpu = config.device.startswith("cuda")
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(config.tensor_parallel_size)],
+                         strategy="PACK")
+    await pg.ready()
+    verifiers = [
+        ray.remote(TargetVerifier).options(
+            num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=rank)).remote(config, rank)
+        for rank in range(config.tensor_parallel_size)
+    ]
+    draft = ray.remote(DraftWorker).options(
+        num_cpus=0, num_gpus=1 if gpu and config.draft == "model" else 0, max_restarts=0,
+    ).remote(config)
+    output = ray.remote(OutputActor).options(num_cpus=0, max_restarts=0).remote(config)
+    init = None
+    if config.tensor_parallel_size > 1:
+        init = await verifiers[0].rendezvous_address.remote()
+    loaded = await asyncio.gather(*(v.load.remote(init) for v in verifiers))
+    out_info = await output.info.remote()
+    await draft.ping.remote()
+    info = {**loaded[0], **out_info}
+    return StageActors(draft, verifiers, output, pg, info)
+
+
+class RayStages:
+    """engine_core.Stages over actor handles. The proposal and the payload travel as object
+    refs from actor to actor; the engine only reads the small StepOutcome."""
+
+    def __init__(self, actors: StageActors) -> None:
+        self.actors = actors
+
+    def add_requests(self, new: list[NewRequest], traceparents: list[str | None]) -> None:
+        # Calls from one caller to a sequential actor run in order: before the step's process.
+        self.actors.output.add_requests.remote(new, traceparents)
+
+    async def run_step(self, plan: StepPlan) -> StepOutcome:
+        proposal = self.actors.draft.propose.remote(plan)
+        calls = [v.verify.options(num_returns=2).remote(plan, proposal)
+                 for v in self.actors.verifiers]
+        # Await every rank: a dead rank surfaces as its own error, not as rank 0 hanging.
+        results = await asyncio.gather(*(outcome for outcome, _ in calls))
+        outcome = results[0]
+        outcome.payload = calls[0][1]  # an ObjectRef to the msgpack bytes
+        return outcome
+
+    async def process(self, payload: Any) -> list[RequestOutput]:
+        return await self.actors.output.process.remote(payload)
+
+    async def abort(self, rid: str) -> RequestOutput | None:
+        return await self.actors.output.abort.remote(rid)
+
+    async def dropped_steps(self) -> int:
+        return await self.actors.output.dropped_steps.remote()
+
+
+class Engine:
+    """The engine actor (API used by the HTTP front end through actors.engine_client)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.actors: StageActors | None = None
+        self.core: EngineCore | None = None
+        self.restarts = 0
+        self._rebuilding: asyncio.Task | None = None
+
+    async def start(self) -> dict[str, Any]:
+        await self._build()
+        return await self.model_info()
+
+    async def _build(self) -> None:
+        self.actors = await create_stage_actors(self.config)
+        core = EngineCore(self.config, RayStages(self.actors), self.actors.info["vocab_size"])
+        self.core = core
+        core.start().add_done_callback(lambda _t: self._on_loop_end(core))
+
+    def _on_loop_end(self, core: EngineCore) -> None:
+        if core is self.core and core.dead_reason is not None and self._rebuilding is None:
+            self._rebuilding = asyncio.get_running_loop().create_task(self._rebuild())
+
+    async def _rebuild(self) -> None:
+        """Replace every stage actor (KV caches are gone anyway) after a failure."""
+        try:
+            if self.actors is not None:
+                self.actors.kill()
+            await self._build()
+            self.restarts += 1
+        except Exception:  # noqa: BLE001 - stays unhealthy; the reason is in health()
+            log.exception("engine rebuild failed")
+        finally:
+            self._rebuilding = None
+
+    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                       traceparent: str | None = None) -> AsyncIterator[RequestOutput]:
+        stream = self._core().add_request(rid, list(prompt_ids), params, traceparent)
+        core, finished = self.core, False
+        try:
+            async for delta in stream:
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:  # the caller went away: free the request's slots
+                asyncio.ensure_future(core.abort(rid))
+
+    async def abort(self, rid: str) -> None:
+        if self.core is not None:
+            await self.core.abort(rid)
+
+    async def stats(self) -> dict[str, Any]:
+        if self.core is None:
+            return {"healthy": False}
+        stats = await self.core.stats_dict()
+        stats["healthy"] = (await self.health())["healthy"]
+        stats["restarts"] = self.restarts
+        return stats
+
+    async def health(self) -> dict[str, Any]:
+        if self.core is None:
+            return {"healthy": False, "reason": "engine not started"}
+        if self._rebuilding is not None:
+            return {"healthy": False, "reason": f"rebuilding after: {self.core.dead_reason}"}
+        state = self.core.health()
+        if state["healthy"] and not self.core.scheduler.has_work:
+            # Idle: nothing would notice a dead actor, so ask them.
+            try:
+                await asyncio.wait_for(
+                    asyncio.gather(*(a.ping.remote() for a in self.actors.all)),
+                    self.config.step_timeout_s)
+            except Exception as e:  # noqa: BLE001 - any failure means a stage is gone
+                return {"healthy": False, "reason": f"stage actor unavailable: {e}"}
+        return state
+
+    async def model_info(self) -> dict[str, Any]:
+        info = self.actors.info if self.actors is not None else {}
+        return {
+            "name": self.config.served_name,
+            "source": self.config.model,
+            "max_model_len": self.config.max_model_len,
+            "vocab_size": info.get("vocab_size"),
+            "eos_token_ids": info.get("eos_token_ids", []),
+            "draft": self.config.draft,
+            "num_speculative_tokens": self.config.k,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+        }
+
+    async def shutdown(self) -> None:
+        if self.core is not None:
+            await self.core.stop()
+        if self.actors is not None:
+            self.actors.kill()
+
+    def _core(self) -> EngineCore:
+        if self.core is None:
+            raise EngineDeadError("engine is not started")
+        if self._rebuilding is not None:
+            raise EngineDeadError(f"engine is rebuilding after: {self.core.dead_reason}")
+        return self.core
+
+
+def start_engine(config: EngineConfig, name: str | None = None) -> Any:
+    """Create the Engine actor and its stage actors (inside a running Ray); returns the handle
+    once the models are loaded."""
+    import ray
+
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000, "max_restarts": 0}
+    if name is not None:
+        options["name"] = name
+    handle = ray.remote(Engine).options(**options).remote(config)
+    ray.get(handle.start.remote())
+    return handle
+
+
+def stop_engine(handle: Any) -> None:
+    """Kill the stage actors and the engine actor."""
+    import ray
+
+    try:
+        ray.get(handle.shutdown.remote(), timeout=30)
+    finally:
+        ray.kill(handle, no_restart=True)

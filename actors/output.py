@@ -1,0 +1,43 @@
+"""OutputActor: the (traced) OutputProcessor; receives each step's msgpack payload."""
+
+from __future__ import annotations
+
+from pipeline.config import EngineConfig
+from pipeline.request_output import RequestOutput
+from pipeline.step_plan import NewRequest
+
+
+class OutputActor:
+    def __init__(self, config: EngineConfig) -> None:
+        from pipeline.output import OutputProcessor
+        from pipeline.output_tracing import TracedOutputProcessor
+        from pipeline.runners import load_engine_tokenizer
+        from pipeline.tracing import setup_tracing
+
+        if config.tracing:
+            setup_tracing("specrelay-output", config.tracing)
+        from pipeline.tokenizer import eos_token_ids
+
+        tokenizer = load_engine_tokenizer(config)
+        self.eos_token_ids = eos_token_ids(tokenizer)
+        inner = OutputProcessor(tokenizer, self.eos_token_ids)
+        self.processor = TracedOutputProcessor(inner)
+
+    def add_requests(self, new: list[NewRequest], traceparents: list[str | None]) -> None:
+        for req, tp in zip(new, traceparents):
+            self.processor.add_request(req.rid, req.prompt_ids, req.params, traceparent=tp)
+
+    def process(self, payload: bytes) -> list[RequestOutput]:
+        return self.processor.process(payload)
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        return self.processor.abort(rid)
+
+    def dropped_steps(self) -> int:
+        return int(self.processor.dropped_steps)
+
+    def info(self) -> dict:
+        return {"eos_token_ids": self.eos_token_ids}
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,63 @@
+"""TargetVerifier: one actor per tensor-parallel rank of the target model.
+
+Start-up: rank 0 names a rendezvous address, every rank joins the process group (gloo on CPU,
+NCCL on GPU) and loads its shard. Each step every rank runs the same plan in lockstep; rank 0
+returns (outcome, payload) as two objects so the engine reads only the small outcome while the
+msgpack payload goes straight to the output actor.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from actors.draft import _set_threads
+from pipeline.config import EngineConfig
+from pipeline.proposers.base import Proposal
+from pipeline.step_plan import StepOutcome, StepPlan
+from pipeline.verifier import Verifier
+
+
+class TargetVerifier:
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        _set_threads(config)
+        self.config = config
+        self.rank = rank
+        self.verifier: Verifier | None = None
+
+    def rendezvous_address(self) -> str:
+        """A TCP address on this node with a free port (called on rank 0)."""
+        host = "127.0.0.1"
+        try:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001 - outside Ray: loopback
+            pass
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"tcp://{host}:{s.getsockname()[1]}"
+
+    def load(self, init_method: str | None) -> dict:
+        """Join the TP group (when world > 1), load this rank's shard; returns model facts."""
+        from pipeline.runners import build_runner
+
+        world = self.config.tensor_parallel_size
+        if world > 1:
+            from pipeline.models.tp import init_distributed
+
+            init_distributed(self.rank, world, init_method)
+        runner = build_runner(self.config, "target", tp_rank=self.rank, tp_world=world)
+        self.verifier = Verifier(runner, driver=self.rank == 0)
+        return {"vocab_size": runner.vocab_size,
+                "eos_token_ids": list(runner.config.eos_token_ids)}
+
+    def verify(self, plan: StepPlan, proposal: Proposal | None
+               ) -> tuple[StepOutcome | None, bytes | None]:
+        outcome = self.verifier.step(plan, proposal)
+        if outcome is None:
+            return None, None
+        payload, outcome.payload = outcome.payload, b""
+        return outcome, payload
+
+    def ping(self) -> bool:
+        return True

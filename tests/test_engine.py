@@ -1,0 +1,306 @@
+"""The speculative engine in-process (no Ray): lossless greedy decoding, finish handling inside a
+window, overlap, aborts, slot accounting, max_model_len, seeded sampling, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.engine_core import EngineCore
+from pipeline.errors import EngineDeadError, EngineOverloadedError
+from pipeline.local_engine import LocalStages, build_local_engine, collect
+from pipeline.params import SamplingParams
+from pipeline.reference import greedy_reference
+from pipeline.runners import build_runner, tiny_tokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = "configs/tiny.yaml"
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 5, 6, 7],
+    [100, 101],
+    [3] * 20,
+    [50, 60, 70, 80, 90, 50, 60],
+    [200, 201, 202, 203],
+    [17],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31, 32],
+    [77, 78, 77, 78, 77],
+]
+TOK = tiny_tokenizer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, list[int]]:
+    """Target-only greedy continuations (60 tokens, no stop rules) of each prompt."""
+    runner = build_runner(load_config(CONFIG, {"draft": "none"}))
+    return {i: greedy_reference(runner, p, 60) for i, p in enumerate(PROMPTS)}
+
+
+def run(overrides: dict, requests: list[tuple[str, list[int], SamplingParams]]):
+    core = build_local_engine(load_config(CONFIG, overrides))
+    return asyncio.run(collect(core, requests)), core
+
+
+def mixed_requests(n: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """Mixed lengths and stop conditions (EOS on, stop strings and ids, logprobs)."""
+    reqs = []
+    for i in range(n):
+        p = PROMPTS[i % len(PROMPTS)]
+        params = SamplingParams(max_new_tokens=25 + 5 * i, logprobs=i % 3 or None,
+                                stop=[chr(p[0])] if i % 4 == 1 else [],
+                                stop_token_ids=[p[-1]] if i % 4 == 2 else [])
+        reqs.append((f"r{i}", p, params))
+    return reqs
+
+
+def expected_cut(ref: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    """What the output rules keep of a greedy token stream (EOS id 2 on)."""
+    stops = set(params.stop_token_ids) | {2}
+    end = params.max_new_tokens
+    for pos, t in enumerate(ref[:end]):
+        if t in stops and pos >= params.min_new_tokens:
+            end = pos + 1
+            break
+    text = TOK.decode(ref[:end], skip_special_tokens=True)
+    for s in params.stop:
+        at = text.find(s)
+        if at >= 0:
+            # the token holding the stop string's last character ends the request
+            chars = at + len(s)
+            end = next(n for n in range(1, end + 1)
+                       if len(TOK.decode(ref[:n], skip_special_tokens=True)) >= chars)
+            text = text[:at]
+    return ref[:end], text
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_speculative_greedy_equals_target_only(draft, batch, overlap, reference):
+    requests = mixed_requests(batch)
+    spec, core = run({"draft": draft, "overlap": overlap}, requests)
+    plain, _ = run({"draft": "none", "overlap": overlap}, requests)
+    for rid, prompt, params in requests:
+        want_ids, want_text = expected_cut(reference[PROMPTS.index(prompt)], params)
+        assert plain[rid].token_ids == want_ids
+        assert spec[rid].token_ids == want_ids
+        assert spec[rid].text == plain[rid].text == want_text
+        assert spec[rid].finish_reason == plain[rid].finish_reason
+        assert spec[rid].matched_stop == plain[rid].matched_stop
+        if params.logprobs is not None:
+            assert spec[rid].logprobs == pytest.approx(plain[rid].logprobs, abs=1e-4)
+    assert core.stats.drafted_tokens > 0
+    assert core.scheduler.free_slots == core.scheduler.num_slots
+
+
+def test_draft_model_accepts_some_but_not_all_drafts():
+    _, core = run({"draft": "model"}, mixed_requests(8))
+    s = core.stats
+    assert 0.2 < s.accepted_tokens / s.drafted_tokens < 0.8
+    assert s.histogram[0] > 0 and s.histogram[-1] > 0 and len(s.histogram) == 5
+
+
+def finish_mid_window_requests(ref: list[int]) -> list[tuple[str, list[int], SamplingParams]]:
+    """Four requests on one prompt that end inside the first 5-token verify window (positions
+    1..5, all drafts accepted with an identical draft): length at 3, stop id at its first
+    occurrence, a stop string, and one that runs on."""
+    stop_id = ref[4]
+    stop_str = TOK.decode(ref[2:4])
+    base = dict(ignore_eos=True, logprobs=1)
+    return [
+        ("len3", PROMPTS[0], SamplingParams(max_new_tokens=3, **base)),
+        ("stopid", PROMPTS[0], SamplingParams(max_new_tokens=40, stop_token_ids=[stop_id],
+                                              **base)),
+        ("stopstr", PROMPTS[0], SamplingParams(max_new_tokens=40, stop=[stop_str], **base)),
+        ("long", PROMPTS[0], SamplingParams(max_new_tokens=23, **base)),
+    ]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_finishes_inside_one_window_end_exactly_and_emit_nothing_after(overlap, reference):
+    ref = reference[0]
+    requests = finish_mid_window_requests(ref)
+    core = build_local_engine(load_config(CONFIG, {"draft_agreement_noise": 0.0,
+                                                   "overlap": overlap}))
+    deltas: dict[str, list] = {}
+
+    async def main():
+        core.start()
+
+        async def one(rid, prompt, params):
+            deltas[rid] = [d async for d in core.add_request(rid, prompt, params)]
+
+        await asyncio.gather(*(one(*r) for r in requests))
+        await asyncio.sleep(0.05)  # let a late (overlapped) step drain
+        return await core.stats_dict()
+
+    stats = asyncio.run(main())
+    for rid, _, params in requests:
+        want_ids, want_text = expected_cut(ref, params)
+        got = deltas[rid]
+        assert [d.finished for d in got] == [False] * (len(got) - 1) + [True]
+        assert sum((d.token_ids for d in got), []) == want_ids
+        assert "".join(d.text for d in got) == want_text
+        assert sum(len(d.logprobs) for d in got) == len(want_ids)
+        assert got[-1].finished_len == len(want_ids)
+    assert deltas["len3"][-1].finish_reason == "length"
+    assert deltas["stopid"][-1].matched_stop == ref[4]
+    assert deltas["stopstr"][-1].matched_stop == TOK.decode(ref[2:4])
+    # len3 / stopid / stopstr all finished in the first verify step
+    assert {deltas[r][-1].finish_step for r in ("len3", "stopid", "stopstr")} == {1}
+    assert stats["free_slots"] == stats["num_slots"] == 8
+    stages = core.stages
+    assert stages.verifier.runner.num_free() == 8 and stages.proposer.runner.num_free() == 8
+    # With overlap the engine ran one more step for the two stop-finished requests before it
+    # heard of their finish, and the output processor dropped those windows; the length-capped
+    # one is never scheduled past its cap.
+    assert stats["dropped_steps"] == (2 if overlap else 0)
+
+
+def test_abort_running_request_frees_slots():
+    core = build_local_engine(load_config(CONFIG))
+
+    async def main():
+        core.start()
+        stream = core.add_request("a", PROMPTS[0], SamplingParams(max_new_tokens=200,
+                                                                   ignore_eos=True))
+        other = core.add_request("b", PROMPTS[1], SamplingParams(max_new_tokens=5))
+        got = []
+        async for d in stream:
+            got.append(d)
+            if len(got) == 3:
+                await core.abort("a")
+        rest = [d async for d in other]
+        await asyncio.sleep(0.05)
+        return got, rest
+
+    got, rest = asyncio.run(main())
+    assert got[-1].finished and got[-1].finish_reason == "abort"
+    assert len(got) == 4 and not any(d.finished for d in got[:-1])
+    assert rest[-1].finish_reason == "length" and len(sum((d.token_ids for d in rest), [])) == 5
+    assert core.scheduler.free_slots == 8
+    # the releases reached the stages with a later (release-only) plan
+    assert core.stages.verifier.runner.num_free() == 8
+    assert core.stages.proposer.runner.num_free() == 8
+
+
+def test_200_requests_through_8_slots_complete_in_fifo_order(reference):
+    requests = []
+    for i in range(200):
+        p = i % len(PROMPTS)
+        requests.append((f"q{i}", PROMPTS[p], SamplingParams(max_new_tokens=1 + i % 9,
+                                                             ignore_eos=True)))
+    core = build_local_engine(load_config(CONFIG, {"max_waiting": 200}))
+    admitted: list[str] = []
+    schedule = core.scheduler.schedule
+
+    def spy(*a, **kw):
+        plan = schedule(*a, **kw)
+        if plan is not None:
+            admitted.extend(n.rid for n in plan.new)
+            assert len(core.scheduler.running) <= 8
+        return plan
+
+    core.scheduler.schedule = spy
+    out = asyncio.run(collect(core, requests))
+    for rid, prompt, params in requests:
+        assert out[rid].token_ids == reference[PROMPTS.index(prompt)][: params.max_new_tokens]
+        assert out[rid].finish_reason == "length"
+    assert admitted == [r[0] for r in requests]  # FIFO: nobody passed over
+    assert core.scheduler.free_slots == 8 and not core.scheduler.waiting
+
+
+def test_generation_stops_at_max_model_len(reference):
+    prompt = PROMPTS[6]
+    out, core = run({"max_model_len": 24}, [
+        ("r", prompt, SamplingParams(max_new_tokens=100, ignore_eos=True))])
+    assert out["r"].finish_reason == "length"
+    assert len(out["r"].token_ids) == 24 - len(prompt)
+    assert out["r"].token_ids == reference[6][: 24 - len(prompt)]
+
+
+def test_seeded_sampling_is_reproducible_through_the_speculative_engine():
+    def sample(batch_extra: int):
+        reqs = [("s", PROMPTS[3], SamplingParams(max_new_tokens=30, temperature=0.8, top_k=50,
+                                                  top_p=0.95, seed=1234, ignore_eos=True))]
+        reqs += [(f"x{i}", PROMPTS[i], SamplingParams(max_new_tokens=10, temperature=1.0))
+                 for i in range(batch_extra)]
+        out, _ = run({"draft": "model"}, reqs)
+        return out["s"].token_ids
+
+    first = sample(0)
+    assert sample(0) == first
+    assert sample(3) == first  # independent of the batch it shares
+    other = run({"draft": "model"}, [("s", PROMPTS[3], SamplingParams(
+        max_new_tokens=30, temperature=0.8, top_k=50, top_p=0.95, seed=99,
+        ignore_eos=True))])[0]["s"].token_ids
+    assert other != first and len(first) == 30
+
+
+def test_full_queue_raises_overloaded_before_queueing():
+    core = build_local_engine(load_config(CONFIG, {"max_waiting": 2}))
+
+    async def main():
+        core.add_request("a", [5], SamplingParams())
+        core.add_request("b", [5], SamplingParams())
+        with pytest.raises(EngineOverloadedError):
+            core.add_request("c", [5], SamplingParams())
+        return core.scheduler.waiting
+
+    assert [r.rid for r in asyncio.run(main())] == ["a", "b"]
+
+
+class _BrokenStages(LocalStages):
+    def __init__(self, inner: LocalStages, mode: str) -> None:
+        super().__init__(inner.proposer, inner.verifier, inner.output)
+        self.mode = mode
+        self.steps = 0
+
+    async def run_step(self, plan):
+        self.steps += 1
+        if self.steps == 3:
+            if self.mode == "raise":
+                raise RuntimeError("verifier rank 1 died")
+            await asyncio.sleep(30)  # a hung stage
+        return await super().run_step(plan)
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_stage_failure_or_timeout_fails_requests_and_marks_unhealthy(mode):
+    config = load_config(CONFIG, {"step_timeout_s": 0.5})
+    inner = build_local_engine(config)
+    core = EngineCore(config, _BrokenStages(inner.stages, mode), vocab_size=256)
+
+    async def main():
+        core.start()
+        streams = [core.add_request(f"r{i}", PROMPTS[i], SamplingParams(
+            max_new_tokens=50, ignore_eos=True)) for i in range(3)]
+        t0 = time.monotonic()
+        errors = []
+        for s in streams:
+            with pytest.raises(EngineDeadError) as e:
+                async for _ in s:
+                    pass
+            errors.append(str(e.value))
+        elapsed = time.monotonic() - t0
+        with pytest.raises(EngineDeadError):
+            core.add_request("late", [5], SamplingParams())
+        return errors, elapsed
+
+    errors, elapsed = asyncio.run(main())
+    assert elapsed < 3
+    assert ("died" if mode == "raise" else "step timeout") in errors[0]
+    health = core.health()
+    assert health["healthy"] is False and health["reason"]
