@@ -229,17 +229,18 @@ class _Server:
             run.start(f"{rid}-{i}", ids, params)
         run.watch_disconnect(request.receive)
         view = _View(self, req, info, rid, chat, run, jobs, prompts, t0)
+        if not req.stream:
+            try:
+                return JSONResponse(await view.collect(deadline))
+            finally:
+                run.close()  # also when cancelled (client gone under Serve): aborts the rest
         try:
-            first = await view.first_deltas(deadline)  # engine errors -> statuses, before any body
+            # Engine errors (429 ...) become statuses only before the headers: wait for output.
+            first = await view.first_deltas(deadline)
         except BaseException:
             run.close()
             raise
-        if req.stream:
-            return _SSEResponse(view.stream(first, deadline), on_close=run.close)
-        try:
-            return JSONResponse(await view.collect(first, deadline))
-        finally:
-            run.close()
+        return _SSEResponse(view.stream(first, deadline), on_close=run.close)
 
     # --------------------------------------------------------------- simple routes
 
@@ -285,12 +286,14 @@ class _View:
         self.want_logprobs = jobs[0][2].logprobs is not None
 
     async def first_deltas(self, deadline: float | None) -> list[tuple[int, RequestOutput]]:
-        seen: set[int] = set()
-        got = []
-        while len(seen) < len(self.choices):
-            index, out = await self.run.next(deadline)
-            seen.add(index)
-            got.append((index, out))
+        """The first delta of any choice, plus whatever else is already queued.
+
+        Overload errors come before a choice's first delta, at submission, so by the time one
+        choice has output the others' immediate errors are queued too. Choices still waiting
+        for a slot do not hold back the stream of those already running."""
+        got = [await self.run.next(deadline)]
+        while not self.run.queue.empty():
+            got.append(await self.run.next(deadline))
         return got
 
     def _record(self, index: int, out: RequestOutput) -> None:
@@ -318,9 +321,7 @@ class _View:
             return proto.chat_logprobs(token_ids, lps, top, self.s.tok.token_str)
         return proto.completion_logprobs(token_ids, lps, top, self.s.tok.token_str, offset)
 
-    async def collect(self, first: list, deadline: float | None) -> dict[str, Any]:
-        for index, out in first:
-            self._record(index, out)
+    async def collect(self, deadline: float | None) -> dict[str, Any]:
         while not self.run.done:
             self._record(*await self.run.next(deadline))
         build = proto.chat_response if self.chat else proto.completion_response
@@ -437,6 +438,8 @@ def error_for(exc: BaseException, settings: ServerSettings) -> proto.APIError:
     if isinstance(exc, RequestTimeoutError):
         return proto.APIError(408, f"request timed out: {exc}", type="timeout_error",
                               code="request_timeout")
+    if isinstance(exc, ValueError):  # the engine refused the request itself (prompt ids ...)
+        return proto.bad_request(str(exc))
     if isinstance(exc, _ClientGone):
         return proto.APIError(499, "client closed the request", code="client_closed_request")
     if isinstance(exc, EngineDeadError):

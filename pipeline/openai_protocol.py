@@ -229,6 +229,8 @@ def _check_common(req: _CommonRequest) -> None:
     if req.repetition_penalty not in (None, 1.0):
         raise bad_request("repetition_penalty: is not supported (only 1)",
                           param="repetition_penalty")
+    for s in [req.stop] if isinstance(req.stop, str) else req.stop or []:
+        check_prompt_text(s, "stop")
     if req.logit_bias:
         raise bad_request("logit_bias: is not supported", param="logit_bias")
     if req.max_tokens is not None and req.max_tokens < 1:

@@ -69,6 +69,7 @@ def test_chat_max_completion_tokens_wins_and_default_fills_the_context():
     ("prompt", "a\x00b", "prompt"),
     ("prompt", "a\ud800b", "prompt"),
     ("prompt", {"text": "x"}, "prompt"),
+    ("stop", ["ok", "\udc00"], "stop"),
 ])
 def test_bad_completion_fields_name_the_parameter(field, value, param):
     def parse():

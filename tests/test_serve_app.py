@@ -23,7 +23,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def base_url(ray_cluster):
-    with running_app({"config": TINY, "api_key": KEY, "request_timeout_s": 60},
+    # 2 slots and 4 waiting places: a 4-choice request keeps 2 waiting (see the 429 test).
+    with running_app({"config": TINY, "api_key": KEY, "request_timeout_s": 60,
+                      "overrides": {"num_slots": 2, "max_waiting": 4}},
                      name="specrelay-tiny") as base:
         yield base
 
@@ -118,11 +120,12 @@ def test_bad_requests_auth_and_health_on_the_real_server(base_url, client):
         .completion_tokens >= 1
 
 
-def test_disconnecting_streaming_client_frees_its_slots(base_url):
+def test_full_engine_gives_429_then_disconnecting_stream_frees_its_slots(base_url):
     def stats():
         text = httpx.get(f"{base_url}/metrics", headers=AUTH, timeout=10).text
         return {k: metric(text, f"specrelay_{k}") for k in
-                ("num_requests_running", "num_free_slots", "engine_steps_total")}
+                ("num_requests_running", "num_requests_waiting", "num_free_slots",
+                 "engine_steps_total")}
 
     before = stats()
     assert before["num_requests_running"] == 0
@@ -135,13 +138,21 @@ def test_disconnecting_streaming_client_frees_its_slots(base_url):
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         busy = stats()
-        assert busy["num_requests_running"] >= 1
+        assert busy["num_requests_running"] == 2 and busy["num_free_slots"] == 0
         start_steps = busy["engine_steps_total"]
+        # Two choices run, two wait: 3 more do not fit the 4 waiting places.
+        t0 = time.monotonic()
+        refused = h.post("/v1/completions", headers=AUTH,
+                         json={"model": "tiny", "prompt": "more", "max_tokens": 2, "n": 3})
+        assert refused.status_code == 429 and time.monotonic() - t0 < 5
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "engine_overloaded"
     # Closed after the first chunk: the server aborts, the engine frees all four slots.
     deadline = time.monotonic() + 10
     while True:
         now = stats()
-        if now["num_requests_running"] == 0 and now["num_free_slots"] == before["num_free_slots"]:
+        if (now["num_requests_running"], now["num_requests_waiting"], now["num_free_slots"]) \
+                == (0, 0, before["num_free_slots"]):
             break
         assert time.monotonic() < deadline, now
         time.sleep(0.05)
