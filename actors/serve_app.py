@@ -139,6 +139,7 @@ def serve_main(argv: list[str]) -> int:
     import ray
 
     args = parse_args(argv)
+    args.config = resolve_config_path(args.config)
     if args.config and not os.path.exists(args.config):
         print(f"specrelay serve: config not found: {args.config}", file=sys.stderr)
         return 2

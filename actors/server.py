@@ -129,11 +129,12 @@ class _Run:
 
     def watch_disconnect(self, receive: Callable) -> None:
         async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    self.queue.put_nowait((-1, None, _ClientGone()))
-                    return
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            except Exception as e:  # noqa: BLE001 - a broken channel means the client is gone
+                log.debug("receive failed: %s", e)
+            self.queue.put_nowait((-1, None, _ClientGone()))
 
         self.tasks.append(asyncio.get_running_loop().create_task(watch()))
 
