@@ -9,6 +9,7 @@ background; `health()` turns healthy again once the new ones are up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -41,14 +42,10 @@ class StageActors:
         from ray.util.placement_group import remove_placement_group
 
         for actor in self.all:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        try:
+        with contextlib.suppress(Exception):  # already removed
             remove_placement_group(self.placement_group)
-        except Exception:  # noqa: BLE001 - already removed
-            pass
 
 
 async def create_stage_actors(config: EngineConfig) -> StageActors:
@@ -149,7 +146,7 @@ class Engine:
                 self.actors.kill()
             await self._build()
             self.restarts += 1
-        except Exception:  # noqa: BLE001 - stays unhealthy; the reason is in health()
+        except Exception:  # stays unhealthy; the reason is in health()
             log.exception("engine rebuild failed")
         finally:
             self._rebuilding = None
@@ -206,6 +203,11 @@ class Engine:
             "num_speculative_tokens": self.config.k,
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }
+
+    async def stage_actors(self) -> dict[str, Any]:
+        """Handles of the current stage actors (operations and failure tests)."""
+        a = self.actors
+        return {"draft": a.draft, "verifiers": list(a.verifiers), "output": a.output}
 
     async def shutdown(self) -> None:
         if self.core is not None:

@@ -26,13 +26,9 @@ class TargetVerifier:
 
     def rendezvous_address(self) -> str:
         """A TCP address on this node with a free port (called on rank 0)."""
-        host = "127.0.0.1"
-        try:
-            import ray
+        import ray
 
-            host = ray.util.get_node_ip_address()
-        except Exception:  # noqa: BLE001 - outside Ray: loopback
-            pass
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         with socket.socket() as s:
             s.bind((host, 0))
             return f"tcp://{host}:{s.getsockname()[1]}"

@@ -53,6 +53,10 @@ def run(overrides: dict, requests: list[tuple[str, list[int], SamplingParams]]):
     return asyncio.run(collect(core, requests)), core
 
 
+def ids(deltas: list) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
 def mixed_requests(n: int) -> list[tuple[str, list[int], SamplingParams]]:
     """Mixed lengths and stop conditions (EOS on, stop strings and ids, logprobs)."""
     reqs = []
@@ -118,7 +122,7 @@ def finish_mid_window_requests(ref: list[int]) -> list[tuple[str, list[int], Sam
     occurrence, a stop string, and one that runs on."""
     stop_id = ref[4]
     stop_str = TOK.decode(ref[2:4])
-    base = dict(ignore_eos=True, logprobs=1)
+    base = {"ignore_eos": True, "logprobs": 1}
     return [
         ("len3", PROMPTS[0], SamplingParams(max_new_tokens=3, **base)),
         ("stopid", PROMPTS[0], SamplingParams(max_new_tokens=40, stop_token_ids=[stop_id],
@@ -151,7 +155,7 @@ def test_finishes_inside_one_window_end_exactly_and_emit_nothing_after(overlap, 
         want_ids, want_text = expected_cut(ref, params)
         got = deltas[rid]
         assert [d.finished for d in got] == [False] * (len(got) - 1) + [True]
-        assert sum((d.token_ids for d in got), []) == want_ids
+        assert ids(got) == want_ids
         assert "".join(d.text for d in got) == want_text
         assert sum(len(d.logprobs) for d in got) == len(want_ids)
         assert got[-1].finished_len == len(want_ids)
@@ -189,7 +193,7 @@ def test_abort_running_request_frees_slots():
     got, rest = asyncio.run(main())
     assert got[-1].finished and got[-1].finish_reason == "abort"
     assert len(got) == 4 and not any(d.finished for d in got[:-1])
-    assert rest[-1].finish_reason == "length" and len(sum((d.token_ids for d in rest), [])) == 5
+    assert rest[-1].finish_reason == "length" and len(ids(rest)) == 5
     assert core.scheduler.free_slots == 8
     # the releases reached the stages with a later (release-only) plan
     assert core.stages.verifier.runner.num_free() == 8
@@ -224,7 +228,7 @@ def test_200_requests_through_8_slots_complete_in_fifo_order(reference):
 
 def test_generation_stops_at_max_model_len(reference):
     prompt = PROMPTS[6]
-    out, core = run({"max_model_len": 24}, [
+    out, _ = run({"max_model_len": 24}, [
         ("r", prompt, SamplingParams(max_new_tokens=100, ignore_eos=True))])
     assert out["r"].finish_reason == "length"
     assert len(out["r"].token_ids) == 24 - len(prompt)
