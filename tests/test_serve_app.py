@@ -157,3 +157,24 @@ def test_full_engine_gives_429_then_disconnecting_stream_frees_its_slots(base_ur
         assert time.monotonic() < deadline, now
         time.sleep(0.05)
     assert now["engine_steps_total"] - start_steps < max_tokens / 5, now
+
+
+def test_non_streaming_client_that_gives_up_aborts_its_request(base_url):
+    def stats():
+        text = httpx.get(f"{base_url}/metrics", headers=AUTH, timeout=10).text
+        return {k: metric(text, f"specrelay_{k}") for k in
+                ("num_requests_running", "num_requests_waiting", "engine_steps_total")}
+
+    start = stats()
+    # 4 choices of 240 tokens on 2 slots need >= 2 * 240 / 5 = 96 verify steps to finish.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/completions", headers=AUTH, timeout=0.25, json={
+            "model": "tiny", "prompt": "go", "max_tokens": 240, "n": 4, "ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while True:
+        now = stats()
+        if (now["num_requests_running"], now["num_requests_waiting"]) == (0, 0):
+            break
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    assert now["engine_steps_total"] - start["engine_steps_total"] < 96, now
