@@ -152,39 +152,39 @@ class Detokenizer:
         context = len(texts[1]) if len(texts) > 1 else 0
         return DecodedWindow(texts[0], context + ts.extra)
 
-    def advance(self, ts: TextState, dw: DecodedWindow, end: int) -> tuple[int, int, int]:
-        """(prefix_offset, read_offset, extra) after committing `dw`; the ids now end at `end`."""
-        context = dw.base - ts.extra  # chars of decode(ids[prefix:read])
-        if dw.clean and (self.context_free or len(dw.full) > context):
+    def advance(
+        self, ts: TextState, full: str, base: int, stable: int, end: int
+    ) -> tuple[int, int, int]:
+        """(prefix_offset, read_offset, extra) after committing `full[base:stable]` of this step's
+        decode `full`; the ids now end at `end`."""
+        context = base - ts.extra  # chars of decode(ids[prefix:read])
+        if stable == len(full) and (self.context_free or len(full) > context):
             # A clean boundary: everything is committed. vLLM keeps the window as the next step's
             # context; a byte-level decoder needs none.
             return (end if self.context_free else ts.read_offset), end, 0
-        stable = len(dw.full) - (0 if dw.clean else 1)
         return ts.prefix_offset, ts.read_offset, max(ts.extra, stable - context)
 
     def first_stop(
         self,
         ts: TextState,
-        ids: list[int],
+        ids: Sequence[int],
         window: list[int],
         dw: DecodedWindow,
         stops: StopStrings,
+        hit: tuple[int, int, str],
         min_pos: int,
         skip: bool,
     ) -> tuple[int, tuple[int, int, str]] | None:
-        """The first stop string completed by `window` at an output position >= `min_pos`, as
-        (position, (start, end, stop) in `ts.tail + dw.committed`), or None."""
-        new = dw.committed
-        if not new:
-            return None
-        context = ts.tail + new
+        """Starting from `hit`, the first match in `ts.tail + dw.committed` (see StopStrings.find)
+        whose last character's token is at an output position >= `min_pos`, as
+        (position, (start, end, stop)), or None. Matches before min_new_tokens are skipped."""
+        context = ts.tail + dw.committed
         start = len(ids)
-        hit = stops.find(context, len(ts.tail))
         while hit is not None:
             pos = start + self.locate(ts, ids, window, dw, hit[1] - len(ts.tail), skip) - 1
             if pos >= min_pos:
                 return pos, hit
-            hit = stops.find(context, hit[1])  # completed before min_new_tokens: ignored
+            hit = stops.find(context, hit[1])
         return None
 
     def locate(

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from pipeline.detokenizer import DecodedWindow, Detokenizer, StopStrings
+from pipeline.detokenizer import REPLACEMENT, DecodedWindow, Detokenizer, StopStrings
 from pipeline.finish import Finish, FinishKind, StopRules, StopStringHit, find_finish
 from pipeline.grammar import grammar_end
 from pipeline.params import SamplingParams
@@ -337,36 +337,40 @@ class OutputProcessor:
         for i, st, window, s0 in jobs:
             ts = st.text
             full = decoded[s0]
-            context = 0 if context_free else len(decoded[s0 + 1])
-            dw = DecodedWindow(full, context + ts.extra)
-            new = dw.committed
-            stops = st.stops
+            base = ts.extra if context_free else len(decoded[s0 + 1]) + ts.extra
+            # Commit all but a trailing U+FFFD (maybe a character still missing bytes).
+            stable = len(full) - 1 if full.endswith(REPLACEMENT) else len(full)
+            new = full[base:stable] if stable > base else ""
             start = len(st.output_ids)
             fin = fins.get(i) if fins else None
-            found = None
-            if stops is not None and new:
-                skip = st.params.skip_special_tokens
-                found = detok.first_stop(
-                    ts, st.output_ids, window, dw, stops, st.rules.min_new_tokens, skip
-                )
-                if found is not None:
-                    full_window = toks[offs[i] : offs[i + 1]]
-                    hit = StopStringHit(found[0], found[1][2])
-                    fin = find_finish(full_window, start, st.rules, hit, grammar_at.get(i))
-                    fins[i] = fin
-            if fin is not None:
-                if fin.kind is FinishKind.STOP_STRING:
-                    m_start, m_end, _ = found[1]
-                    sent = len(ts.tail) - len(ts.pending)  # where the unsent text starts
-                    cut = m_end if st.params.include_stop_str_in_output else m_start
-                    texts[i] = ((ts.tail + new)[sent:cut], None)
-                else:  # settle: the decode of the retained ids, all of it
-                    texts[i] = (ts.pending + full[dw.base :], None)
+            stops = st.stops
+            if stops is not None:
+                tail = ts.tail
+                context_text = tail + new
+                hit = stops.find(context_text, len(tail)) if new else None
+                if hit is not None:  # rare: map it to its token, honour min_new_tokens
+                    found = detok.first_stop(
+                        ts, st.output_ids, window, DecodedWindow(full, base), stops, hit,
+                        st.rules.min_new_tokens, st.params.skip_special_tokens,
+                    )  # fmt: skip
+                    if found is not None:
+                        pos, (m_start, m_end, matched) = found
+                        full_window = toks[offs[i] : offs[i + 1]]
+                        sh = StopStringHit(pos, matched)
+                        fin = fins[i] = find_finish(
+                            full_window, start, st.rules, sh, grammar_at.get(i)
+                        )
+                        if fin.kind is FinishKind.STOP_STRING:
+                            sent = len(tail) - len(ts.pending)  # where the unsent text starts
+                            cut = m_end if st.params.include_stop_str_in_output else m_start
+                            texts[i] = (context_text[sent:cut], None)
+                            continue
+            if fin is not None:  # settle: the decode of the retained ids, all of it
+                texts[i] = (ts.pending + full[base:], None)
                 continue
             text = ts.pending + new if ts.pending else new
             pending = tail = ""
             if stops is not None:
-                context_text = ts.tail + new
                 if not st.params.include_stop_str_in_output:
                     hold = stops.held_len(context_text)
                     if hold:
@@ -374,4 +378,5 @@ class OutputProcessor:
                         text = text[: len(text) - hold]
                 if stops.max_len > 1:
                     tail = context_text[1 - stops.max_len :]
-            texts[i] = (text, (*detok.advance(ts, dw, start + len(window)), tail, pending))
+            offsets = detok.advance(ts, full, base, stable, start + len(window))
+            texts[i] = (text, (*offsets, tail, pending))

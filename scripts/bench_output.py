@@ -120,15 +120,14 @@ def setup(tokenizer, args, params: SamplingParams, prefix: str):
     return proc, rids
 
 
-def catch_up(proc, rids, pool, length: int, top_n, rng) -> int:
-    """Grow every request's output to `length` tokens with big windows; returns the next step id."""
-    step, done = 0, 0
-    while done < length:
-        w = min(1025, length - done)
-        proc.process(payloads(rids, pool, w, 1, step, top_n, rng)[0])
-        done += w
-        step += 1
-    return step
+def catch_up(proc, rids, pool, length: int, window: int, top_n, rng) -> int:
+    """Grow every request's output to `length` tokens with the benchmark's own window shape (so the
+    state, e.g. the acceptance histogram, is what a real request of that length has); cycles a few
+    pre-encoded payloads. Returns the next step id."""
+    cycle = payloads(rids, pool, window, 16, 0, top_n, rng)
+    for s in range(length // window):
+        proc.process(cycle[s % len(cycle)])
+    return length // window
 
 
 def time_block(proc, block: list[bytes]) -> float:
@@ -160,7 +159,8 @@ def length_scaling(tokenizer, args, params, top_n, label: str) -> list[float]:
     procs = []
     for length in LENGTHS:
         proc, rids = setup(tokenizer, args, params, f"{label}{length}")
-        step = catch_up(proc, rids, pool, length, top_n, rng)
+        step = catch_up(proc, rids, pool, length, args.window, top_n, rng)
+        assert proc.num_requests == len(rids), "a request finished while catching up"
         blocks = [
             payloads(
                 rids, pool, args.window, args.scale_steps, step + r * args.scale_steps, top_n, rng
