@@ -13,8 +13,10 @@ Span and attribute names are DESIGN's. Added here (documented for `specrelay tra
   `matched_stop`. Both are omitted when nothing was matched (length, abort).
 
 Cost: spans are built by `pipeline.tracing.SpanRecorder` (the SDK's sampler, ids and processors,
-without its per-value validation); per request and step we do a dict lookup and add to a counter;
-nothing is per token. A step whose span is not sampled builds no attribute, event or link.
+without its per-value validation). Per step: one span, a few C-level passes over the batch (links,
+the finished outputs, the arrays); nothing per token. A step whose span is not sampled builds no
+attribute, event or link; a request whose span is not sampled is never linked. Not thread-safe,
+like the OutputProcessor it wraps (one output actor, one thread).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pipeline.tracing import OpenSpan, SpanRecorder, context_from_traceparent, g
 REQUEST_SPAN = "spec.request"
 STEP_SPAN = "spec.verify_step"
 FINISH_EVENT = "spec.finish"
+_CONSUMER = SpanKind.CONSUMER  # the step span consumes the verifier's message
 
 
 @dataclass(slots=True)
@@ -199,6 +202,3 @@ class TracedOutputProcessor:
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-
-_CONSUMER = SpanKind.CONSUMER

@@ -217,3 +217,12 @@ def test_reads_base64_ids_and_rejects_garbage(tmp_path, capsys):
     bad.write_text("{not json\n")
     assert main([str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_specrelay_cli_dispatches_trace(trace_run, capsys):
+    from actors.cli import main as specrelay
+
+    _, path = trace_run
+    assert specrelay(["trace", path, "--step", "2", "--format", "json"]) == 0
+    (rep,) = json.loads(capsys.readouterr().out)
+    assert [f["request"] for f in rep["finished"]] == ["len", "split", "last"]

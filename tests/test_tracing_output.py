@@ -316,3 +316,35 @@ def test_a_non_sdk_tracer_records_nothing_and_changes_no_output(smollm2_tokenize
     outs = proc.process(encode(VerifyStep(0, ["r"], [[5, 6]], [1])))
     assert (outs[0].token_ids, outs[0].finish_reason, outs[0].finished_len) == ([5, 6], "length", 2)
     assert proc.num_requests == 0  # read through to the wrapped processor
+
+
+def test_unsampled_request_is_not_linked_but_its_step_is_recorded(smollm2_tokenizer):
+    exporter = InMemorySpanExporter()
+    provider = make_provider(resolve_config("t", {"batch": False}, environ={}), exporter)
+    proc = TracedOutputProcessor(OutputProcessor(smollm2_tokenizer), provider.get_tracer("t"))
+    unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+    proc.add_request("quiet", [1], SamplingParams(max_new_tokens=1), traceparent=unsampled)
+    proc.add_request("loud", [1], SamplingParams(max_new_tokens=1))
+    assert proc.request_traceparent("quiet").endswith("-00")  # passed on unsampled
+    proc.process(encode(VerifyStep(0, ["quiet", "loud"], [[5], [6]], [0, 0])))
+    spans = exporter.get_finished_spans()
+    (req,) = by_name(spans, "spec.request")
+    (step,) = by_name(spans, "spec.verify_step")
+    assert req.attributes["request.id"] == "loud"
+    assert [ln.context.span_id for ln in step.links] == [req.context.span_id]
+    assert sorted(e.attributes["request.id"] for e in step.events) == ["loud", "quiet"]
+
+
+def test_a_large_step_links_every_request():
+    """No SDK span limit (128 links / events by default) cuts a big batch short."""
+    exporter = InMemorySpanExporter()
+    provider = make_provider(resolve_config("t", {"batch": False}, environ={}), exporter)
+    proc = TracedOutputProcessor(OutputProcessor(None), provider.get_tracer("t"))
+    rids = [f"r{i}" for i in range(300)]
+    for rid in rids:
+        proc.add_request(rid, [1], SamplingParams(max_new_tokens=2))
+    proc.process(encode(VerifyStep(0, rids, [[7, 8]] * 300, [1] * 300)))
+    (step,) = by_name(exporter.get_finished_spans(), "spec.verify_step")
+    assert len(step.links) == 300 and len(step.events) == 300
+    assert step.attributes["spec.request.retained"] == (2,) * 300
+    assert {e.attributes["finish.window_position"] for e in step.events} == {1}
