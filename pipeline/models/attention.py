@@ -156,13 +156,13 @@ def _attend_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if t == 1:
         # Decode: put a KV head's query heads on the query axis -> [B, KH, G, D].
         g = h // kh
-        qg = qp.view(b, kh, g, d)
+        qg = qp.reshape(b, kh, g, d)
         if mask is not None:
             mask = mask.expand(b, 1, g, meta.max_k)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         out = out.reshape(b, h * d)
     else:
-        qh = qp.view(b, t, h, d).transpose(1, 2)                        # [B, H, T, D]
+        qh = qp.reshape(b, t, h, d).transpose(1, 2)                     # [B, H, T, D]
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, is_causal=meta.causal,
                                              scale=scale, enable_gqa=kh != h)
         out = out.transpose(1, 2).reshape(b * t, h * d)
@@ -176,7 +176,7 @@ def _attend_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     from vllm_flash_attn import flash_attn_varlen_func  # CUDA only; checked in resolve_backend
 
     out = flash_attn_varlen_func(
-        q, k_cache, v_cache,
+        q.contiguous(), k_cache, v_cache,
         max_seqlen_q=meta.max_q, cu_seqlens_q=meta.cu_seqlens_q,
         max_seqlen_k=meta.max_k, seqused_k=meta.seqused_k,
         block_table=meta.block_table, softmax_scale=scale, causal=True,

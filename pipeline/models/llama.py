@@ -98,13 +98,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        hd, q_size, kv_size = self.head_dim, self.n_heads * self.head_dim, \
-            self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.n_heads, hd), cos, sin)
-        k = apply_rope(k.view(n, self.n_kv_heads, hd), cos, sin)
-        write_kv(k_cache, v_cache, k, v.view(n, self.n_kv_heads, hd), meta)
+        n, h, kh, hd = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        qk, v = self.wqkv(x).split([(h + kh) * hd, kh * hd], dim=-1)
+        qk = apply_rope(qk.view(n, h + kh, hd), cos, sin)  # q and k heads in one pass
+        q, k = qk.split([h, kh], dim=1)
+        write_kv(k_cache, v_cache, k, v.view(n, kh, hd), meta)
         return self.wo(attend(q, k_cache, v_cache, meta, self.scale))
 
 
