@@ -133,8 +133,11 @@ class EngineCore:
 
     # --- the loop ---------------------------------------------------------------------------
     def start(self) -> asyncio.Task:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self.run())
+        """Run the loop as a task of the running event loop (again, after a loop ended)."""
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._wake = asyncio.Event()  # an Event belongs to the loop that first waits on it
+            self._task = loop.create_task(self.run())
         return self._task
 
     async def stop(self) -> None:

@@ -52,13 +52,14 @@ def make_output_processor(tokenizer: Any, eos_token_ids: list[int]) -> Any:
     return OutputProcessor(tokenizer, eos_token_ids)
 
 
-def build_local_engine(config: EngineConfig) -> EngineCore:
-    """An EngineCore over in-process stages (tensor_parallel_size must be 1)."""
+def build_local_engine(config: EngineConfig, runner: Any = None) -> EngineCore:
+    """An EngineCore over in-process stages (tensor_parallel_size must be 1). `runner` reuses a
+    loaded target (its slots must be free; engines sharing it must not run at the same time)."""
     from pipeline.runners import build_runner
 
     if config.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: the in-process engine runs one rank; use Ray")
-    runner = build_runner(config, "target")
+    runner = runner or build_runner(config, "target")
     from pipeline.tokenizer import eos_token_ids
 
     output = make_output_processor(runner.tokenizer, eos_token_ids(runner.tokenizer))

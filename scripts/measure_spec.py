@@ -49,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {}
+    runner = None
     for draft in ("none", "ngram"):
         core = build_local_engine(load_config(args.config, {
-            "draft": draft, "num_speculative_tokens": args.k if draft != "none" else 0}))
+            "draft": draft, "num_speculative_tokens": args.k if draft != "none" else 0}), runner)
+        runner = core.stages.verifier.runner
         tok = core.stages.verifier.runner.tokenizer
         for batch in args.batches:
             reqs = []
