@@ -1,9 +1,10 @@
 """Incremental detokenization, batched per step, with stop-string search and hold-back.
 
-Committed text. For output ids `ids`, let `S(p)` be `decode(ids[:p+1])` with one trailing U+FFFD
-removed: a U+FFFD at the very end may be a character whose bytes have not all arrived (lossy UTF-8
-decoding gives at most one U+FFFD for an incomplete tail), any earlier one is final. `S(p)` only grows
-with `p`, so it is the text the output path commits to: stop strings are searched in it, and a stop
+Committed text. For output ids `ids`, let `S(p)` be `decode(ids[:p+1])` with its trailing run of
+U+FFFD removed: U+FFFD at the very end may stand for a character whose bytes have not all arrived
+(byte-level BPE gives one for an incomplete tail, SentencePiece byte fallback one per byte token), so
+it is not final until a later character follows it. `S(p)` only grows with `p`, so it is the text
+the output path commits to: stop strings are searched in it, and a stop
 string completes at the first position `p` whose `S(p)` contains it (`f` = the token holding the
 match's last character). At finish the text is settled: the decode of the retained ids, trailing
 U+FFFD included (DESIGN.md, *Streaming*).
@@ -21,6 +22,7 @@ over decodes of the window's prefixes, done only when a match is found.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,21 +33,22 @@ REPLACEMENT = "\ufffd"
 
 @dataclass(frozen=True, slots=True)
 class StopStrings:
-    """A request's stop strings, prepared for the incremental search."""
+    """A request's stop strings, prepared for the incremental search (build() caches them, so
+    requests with the same stop strings share one)."""
 
     stops: tuple[str, ...]
     max_len: int
-    by_first: dict[str, tuple[str, ...]]  # first character -> stop strings starting with it
+    last_chars: str  # the distinct last characters: a match can only end on one of them
+    # character c -> (k, s) for every proper prefix s[:k] ending in c, longest first
+    by_last: dict[str, tuple[tuple[int, str], ...]]
 
-    @classmethod
-    def build(cls, stops: Sequence[str]) -> StopStrings | None:
-        stops = tuple(dict.fromkeys(stops))
-        if not stops:
-            return None
-        by_first: dict[str, list[str]] = {}
-        for s in stops:
-            by_first.setdefault(s[0], []).append(s)
-        return cls(stops, max(map(len, stops)), {c: tuple(v) for c, v in by_first.items()})
+    @staticmethod
+    def build(stops: Sequence[str]) -> StopStrings | None:
+        return _build_stop_strings(tuple(dict.fromkeys(stops))) if stops else None
+
+    def may_complete(self, new: str) -> bool:
+        """False when no stop string can end inside `new` (cheap pre-check)."""
+        return any(c in new for c in self.last_chars)
 
     def find(self, text: str, min_end: int) -> tuple[int, int, str] | None:
         """The occurrence in `text` with the earliest end beyond `min_end` (ties: the longest), as
@@ -63,20 +66,25 @@ class StopStrings:
     def held_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string: text
         that must be held back because a later token could complete the stop string."""
-        n = min(len(text), self.max_len - 1)
-        if n <= 0:
+        if not text:
             return 0
-        region = text[len(text) - n :]
-        best = 0
-        for c, stops in self.by_first.items():
-            j = region.find(c)
-            while j >= 0 and n - j > best:
-                suffix = region[j:]
-                if any(len(s) > len(suffix) and s.startswith(suffix) for s in stops):
-                    best = n - j
-                    break
-                j = region.find(c, j + 1)
-        return best
+        for k, s in self.by_last.get(text[-1], ()):
+            if k <= len(text) and text.endswith(s[:k]):
+                return k
+        return 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _build_stop_strings(stops: tuple[str, ...]) -> StopStrings:
+    # (k, s) pairs, not the prefixes themselves: no copies of long stop strings
+    by_last: dict[str, list[tuple[int, str]]] = {}
+    for s in stops:
+        for k in range(1, len(s)):
+            by_last.setdefault(s[k - 1], []).append((k, s))
+    table = {c: tuple(sorted(v, key=lambda e: -e[0])) for c, v in by_last.items()}
+    return StopStrings(
+        stops, max(map(len, stops)), "".join(dict.fromkeys(s[-1] for s in stops)), table
+    )
 
 
 @dataclass(slots=True)
@@ -91,7 +99,7 @@ class DecodedWindow:
     def committed(self) -> str:
         """Text newly committed by this window (trailing U+FFFD held back)."""
         full = self.full
-        stable = len(full) - 1 if full.endswith(REPLACEMENT) else len(full)
+        stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
         return full[self.base : stable] if stable > self.base else ""
 
     @property

@@ -338,8 +338,8 @@ class OutputProcessor:
             ts = st.text
             full = decoded[s0]
             base = ts.extra if context_free else len(decoded[s0 + 1]) + ts.extra
-            # Commit all but a trailing U+FFFD (maybe a character still missing bytes).
-            stable = len(full) - 1 if full.endswith(REPLACEMENT) else len(full)
+            # Commit all but trailing U+FFFD (maybe a character still missing bytes).
+            stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
             new = full[base:stable] if stable > base else ""
             start = len(st.output_ids)
             fin = fins.get(i) if fins else None
@@ -347,7 +347,9 @@ class OutputProcessor:
             if stops is not None:
                 tail = ts.tail
                 context_text = tail + new
-                hit = stops.find(context_text, len(tail)) if new else None
+                hit = None
+                if new and stops.may_complete(new):
+                    hit = stops.find(context_text, len(tail))
                 if hit is not None:  # rare: map it to its token, honour min_new_tokens
                     found = detok.first_stop(
                         ts, st.output_ids, window, DecodedWindow(full, base), stops, hit,

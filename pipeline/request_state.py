@@ -35,7 +35,7 @@ class TextState:
     Text of the window `output_ids[prefix_offset:]` is decoded each step; `prefix_offset..
     read_offset` is context already turned into text (`decode(ids[prefix:read])`, empty for
     byte-level tokenizers, which need no context). `extra` counts committed characters of the
-    window beyond that context text; a trailing U+FFFD (a character whose bytes have not all
+    window beyond that context text; trailing U+FFFD (a character whose bytes have not all
     arrived) is never committed until a later token or the finish settles it.
     """
 

@@ -50,6 +50,32 @@ def tiny_tokenizer() -> Tokenizer:
     return tok
 
 
+SP_PIECES = ["\u2581a", "a", "\u2581b", "b", "\u2581the", "\u2581", ".", "\u2581\u4e16", "stop"]
+
+
+def sentencepiece_tokenizer() -> Tokenizer:
+    """A Llama-2-style tokenizer: `\u2581` for spaces, <0xNN> byte fallback, and a decoder that
+    strips the output's leading space, so decoding needs context (not byte-level). Ids 0-2 as in
+    tiny_tokenizer, 3-258 the byte tokens, then SP_PIECES."""
+    vocab: dict[str, int] = {"<eos>": EOS, "<stop>": STOP, "<x>": PLAIN_ADDED}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = 3 + b
+    for piece in SP_PIECES:
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.add_special_tokens([AddedToken("<eos>", special=True), AddedToken("<stop>", special=True)])
+    tok.add_tokens([AddedToken("<x>", special=False)])
+    return tok
+
+
 def byte_id(b: int) -> int:
     return 3 + b
 
@@ -153,8 +179,8 @@ def feed(
     return got
 
 
-def strip_one(text: str) -> str:
-    return text.removesuffix("\ufffd")
+def committed(text: str) -> str:
+    return text.rstrip("\ufffd")
 
 
 @dataclass
@@ -183,7 +209,7 @@ def reference(
         if p >= params.min_new_tokens and t in stop_ids:
             text_ids = stream[:p] if t in special_ids else stream[: p + 1]
             return Expected(stream[: p + 1], decode(text_ids, skip), "stop", t, p + 1)
-        s_p = strip_one(decode(stream[: p + 1], skip))
+        s_p = committed(decode(stream[: p + 1], skip))
         if params.stop and p >= params.min_new_tokens:
             best = None
             for s in params.stop:

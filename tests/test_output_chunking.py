@@ -11,11 +11,13 @@ from output_support import (
     EOS,
     PIECES,
     PLAIN_ADDED,
+    SP_PIECES,
     STOP,
     byte_id,
     feed,
     piece_id,
     reference,
+    sentencepiece_tokenizer,
     tiny_tokenizer,
     token_logprob,
     token_top,
@@ -121,6 +123,25 @@ def test_vllm_style_context_offsets_give_the_same_output(data):
     detok = Detokenizer(TINY)
     stream, params, cuts = data.draw(scenarios(TINY_POOL, _decode_fn(detok)))
     check_invariance(TINY, [EOS], stream, params, cuts, context_free=False)
+
+
+SP = sentencepiece_tokenizer()
+SP_POOL = (
+    [byte_id(b) for b in "世🎉".encode()]  # byte-fallback pieces of multibyte characters
+    + [byte_id(0x80)]
+    + [SP.token_to_id(p) for p in SP_PIECES]
+    + [EOS, STOP, PLAIN_ADDED]
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_sentencepiece_style_decoder_every_cut_gives_the_same_output(data):
+    # Leading-space stripping and one U+FFFD per byte token: the context-offset path.
+    detok = Detokenizer(SP)
+    assert not detok.context_free
+    stream, params, cuts = data.draw(scenarios(SP_POOL, _decode_fn(detok)))
+    check_invariance(SP, [EOS], stream, params, cuts)
 
 
 @pytest.fixture(scope="module")
