@@ -1,13 +1,16 @@
 """Benchmark the output path (pipeline.output.OutputProcessor) on 256 requests x 5-token windows.
 
-    .venv/bin/python scripts/bench_output.py [--requests 256] [--window 5] [--steps 200]
+    .venv/bin/python scripts/bench_output.py [--requests 256] [--window 5] [--skip-scaling] [--trace]
 
 Prints accepted tokens/s through `process` (msgpack decode + validation + ids, finish checks and the
 logprob boundary), then the same with detokenization (SmolLM2 tokenizer), 2 stop strings and top-5
 logprobs, then the per-step cost once every request already has 100 / 10,000 / 100,000 output tokens.
 
-Payloads are encoded before timing. Timings are the median over repeats of a block of steps (the
-machine may be shared). `make_processor` is the one place that builds the processor under test, so
+Payloads are encoded before timing. Timings are the median over repeats of a block of steps, as wall
+time and as this process's CPU time (on a shared machine the CPU time is the steadier number; it
+counts the tokenizer's threads too). TOKENIZERS_PARALLELISM defaults to false here: one step's batch
+decode is ~1 us per request, too small for the tokenizer's thread pool to pay off (set it to true in
+the environment to compare). `make_processor` is the one place that builds the processor under test, so
 a traced variant (pipeline.output_tracing.TracedOutputProcessor) is a one-line change there.
 """
 
@@ -22,6 +25,7 @@ import time
 
 import numpy as np
 
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pipeline.output import OutputProcessor
@@ -130,11 +134,16 @@ def catch_up(proc, rids, pool, length: int, window: int, top_n, rng) -> int:
     return length // window
 
 
-def time_block(proc, block: list[bytes]) -> float:
-    t0 = time.perf_counter()
+def time_block(proc, block: list[bytes]) -> tuple[float, float]:
+    """Seconds per step: (wall, CPU)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for p in block:
         proc.process(p)
-    return (time.perf_counter() - t0) / len(block)
+    return (time.perf_counter() - t0) / len(block), (time.process_time() - c0) / len(block)
+
+
+def median_times(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(w for w, _ in samples), statistics.median(c for _, c in samples)
 
 
 def throughput(tokenizer, args, params, top_n, label: str) -> float:
@@ -146,11 +155,14 @@ def throughput(tokenizer, args, params, top_n, label: str) -> float:
         for r in range(args.repeats)
     ]
     proc.process(payloads(rids, pool, 1, 1, 0, top_n, rng)[0])  # warm-up (prefill-like step)
-    per_step = statistics.median(time_block(proc, b) for b in blocks)
+    wall, cpu = median_times([time_block(proc, b) for b in blocks])
     assert proc.num_requests == len(rids), "a request finished during the benchmark"
-    tps = len(rids) * args.window / per_step
-    print(f"{label}: {tps:,.0f} accepted tokens/s ({per_step * 1e3:.3f} ms/step)")
-    return tps
+    tokens = len(rids) * args.window
+    print(
+        f"{label}: {tokens / wall:,.0f} accepted tokens/s wall ({wall * 1e3:.3f} ms/step), "
+        f"{tokens / cpu:,.0f} per CPU-second ({cpu * 1e3:.3f} ms/step)"
+    )
+    return tokens / wall
 
 
 def length_scaling(tokenizer, args, params, top_n, label: str) -> list[float]:
@@ -169,14 +181,19 @@ def length_scaling(tokenizer, args, params, top_n, label: str) -> list[float]:
         ]
         procs.append((proc, blocks))
     gc.collect()
-    times: list[list[float]] = [[] for _ in LENGTHS]
+    times: list[list[tuple[float, float]]] = [[] for _ in LENGTHS]
     for r in range(args.repeats):  # interleaved, so load changes hit every length alike
         for k, (proc, blocks) in enumerate(procs):
             times[k].append(time_block(proc, blocks[r]))
-    med = [statistics.median(t) for t in times]
-    cells = ", ".join(f"{n:,} tokens: {m * 1e3:.3f} ms" for n, m in zip(LENGTHS, med))
-    print(f"{label} per-step cost at output length {cells} (100k/100 = {med[-1] / med[0]:.2f}x)")
-    return med
+    med = [median_times(t) for t in times]
+    cells = ", ".join(
+        f"{n:,}: {w * 1e3:.3f} ms wall / {c * 1e3:.3f} ms CPU" for n, (w, c) in zip(LENGTHS, med)
+    )
+    print(
+        f"{label} per-step cost by output length {cells} "
+        f"(100k/100: {med[-1][0] / med[0][0]:.2f}x wall, {med[-1][1] / med[0][1]:.2f}x CPU)"
+    )
+    return [c for _, c in med]
 
 
 def main() -> None:
