@@ -102,10 +102,6 @@ class DecodedWindow:
         stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
         return full[self.base : stable] if stable > self.base else ""
 
-    @property
-    def clean(self) -> bool:
-        return not self.full.endswith(REPLACEMENT)
-
 
 class Detokenizer:
     """Batch decoding over a Hugging Face tokenizer (fast or slow) or a `tokenizers.Tokenizer`."""
@@ -147,7 +143,7 @@ class Detokenizer:
 
     # -- one request's text, step by step -------------------------------------------------------
 
-    def sequences(self, ts: TextState, ids: list[int], window: list[int]) -> list[list[int]]:
+    def sequences(self, ts: TextState, ids: Sequence[int], window: list[int]) -> list[list[int]]:
         """What to decode for this step: the window since `prefix_offset` (plus the context alone
         when the tokenizer needs context)."""
         seq = list(ids[ts.prefix_offset :]) + window
@@ -198,7 +194,7 @@ class Detokenizer:
     def locate(
         self,
         ts: TextState,
-        ids: list[int],
+        ids: Sequence[int],
         window: list[int],
         dw: DecodedWindow,
         chars: int,

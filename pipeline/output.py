@@ -29,6 +29,7 @@ from pipeline.request_output import RequestOutput
 from pipeline.request_state import RequestState, RequestStatus, TextState
 
 FINISHED_MEMORY = 1 << 16  # finished rids remembered to tell late steps from unknown requests
+STOP_TABLE_MAX = 1 << 22  # stop ids below this are found with a bool lookup table
 
 _STATUS = {
     FinishKind.STOP_TOKEN: RequestStatus.FINISHED_STOP,
@@ -105,7 +106,7 @@ class OutputProcessor:
         if st.text is not None:
             detok = self.detokenizer
             skip = st.params.skip_special_tokens
-            seqs = detok.sequences(st.text, st.output_ids.tolist(), [])
+            seqs = detok.sequences(st.text, st.output_ids, [])
             dw = detok.window(st.text, detok.decode_batch(seqs, [skip] * len(seqs)))
             text = st.text.pending + dw.full[dw.base :]
         st.status = RequestStatus.FINISHED_ABORTED
@@ -280,16 +281,22 @@ class OutputProcessor:
 
     def _stop_token_hits(self, cols: StepColumns) -> set[int]:
         """Indices of the step's requests whose window holds a token that is a stop/EOS id of some
-        running request: one table lookup over the flat token array."""
+        running request: one vectorised lookup over the flat token array."""
         if not self._stop_refs or not len(cols.tokens):
             return set()
         table = self._stop_table
         if table is None:
             ids = np.fromiter(self._stop_refs, dtype=np.int64)
-            table = np.zeros(int(ids.max()) + 2, dtype=bool)  # last entry: "any larger id"
-            table[ids] = True
+            if int(ids.max()) < STOP_TABLE_MAX:
+                table = np.zeros(int(ids.max()) + 2, dtype=bool)  # last entry: "any larger id"
+                table[ids] = True
+            else:  # a huge id: keep a sorted id array instead of a huge table
+                table = np.sort(ids)
             self._stop_table = table
-        mask = table[np.minimum(cols.tokens, len(table) - 1)]
+        if table.dtype == bool:
+            mask = table[np.minimum(cols.tokens, len(table) - 1)]
+        else:
+            mask = np.isin(cols.tokens, table, assume_unique=False)
         where = np.flatnonzero(mask)
         if not len(where):
             return set()

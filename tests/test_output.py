@@ -136,6 +136,14 @@ def test_a_non_special_stop_token_keeps_its_text():
     assert (out.text, out.matched_stop, out.finished_len) == ("a<x>", PLAIN_ADDED, 2)
 
 
+def test_a_huge_stop_token_id_is_found_without_a_huge_table():
+    params = SamplingParams(max_new_tokens=10, stop_token_ids=[(1 << 31) - 1])
+    proc = proc_with(params, tokenizer=None)
+    [out] = step(proc, 0, {"r": (0, [5, (1 << 31) - 1, 6])})
+    assert (out.matched_stop, out.finished_len) == ((1 << 31) - 1, 2)
+    assert proc._stop_table is None or proc._stop_table.nbytes < 1 << 20
+
+
 def test_ignore_eos_makes_eos_an_ordinary_token():
     params = SamplingParams(max_new_tokens=3, ignore_eos=True, stop_token_ids=[STOP])
     proc = proc_with(params)

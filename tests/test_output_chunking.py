@@ -15,6 +15,7 @@ from output_support import (
     STOP,
     byte_id,
     feed,
+    make_step,
     piece_id,
     reference,
     sentencepiece_tokenizer,
@@ -26,6 +27,7 @@ from output_support import (
 from pipeline.detokenizer import Detokenizer
 from pipeline.output import OutputProcessor
 from pipeline.params import SamplingParams
+from pipeline.protocol import encode
 
 TINY = tiny_tokenizer()
 TINY_POOL = (
@@ -91,6 +93,9 @@ def check_invariance(tokenizer, eos, stream, params, cuts, context_free=None) ->
                 assert all(len(t) == params.logprobs for t in o.top_logprobs)
         assert [o.finished for o in got.outs[:-1]] == [False] * (len(got.outs) - 1)
         assert proc.num_requests == (0 if got.last.finished else 1)
+        if got.last.finished:  # a later step for the request is dropped, nothing leaks out
+            late = make_step(99, {"r": (len(stream), stream[:3])})
+            assert proc.process(encode(late)) == [] and proc.dropped_steps == 1
     final = runs["one"].final()
     for name, got in runs.items():
         assert got.final() == final, name
