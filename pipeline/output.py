@@ -4,7 +4,8 @@ One step, in passes over the batch (nothing is per token in Python on the common
 
 1. look up each request; check the step can serve what it asked (logprobs) -> ProtocolError before
    any state changes; a vectorised stop-token/EOS mask over the step's flat token array marks the
-   few windows that might finish, together with `window >= remaining` (length);
+   few windows that might finish, together with `window >= remaining` (length: one int compare in
+   the rid lookup loop that runs anyway; gathering the counters into an array would cost the same);
 2. for those, grammar matchers are fed and `pipeline.finish.find_finish` gives the token-level
    finish; the window is cut there;
 3. one batched decode of the (cut) windows of all requests with text; stop strings are searched in
@@ -381,7 +382,7 @@ class OutputProcessor:
             pending = tail = ""
             if stops is not None:
                 if not st.params.include_stop_str_in_output:
-                    hold = stops.held_len(context_text)
+                    hold = min(stops.held_len(context_text), len(text))
                     if hold:
                         pending = text[len(text) - hold :]
                         text = text[: len(text) - hold]

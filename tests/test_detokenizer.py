@@ -94,3 +94,19 @@ def test_piece_with_a_complete_char_then_a_partial_one_releases_the_complete_par
     proc.add_request("r", [], SamplingParams(max_new_tokens=10))
     out = proc.process(encode(VerifyStep(0, ["r"], [[piece_id(TINY, b"a\xe4")]], [0])))
     assert out[0].text == "a"
+
+
+def test_one_step_is_one_batch_decode_call_per_skip_flag(monkeypatch):
+    proc = OutputProcessor(TINY, [EOS])
+    for k in range(40):
+        skip = k % 2 == 0
+        proc.add_request(f"r{k}", [], SamplingParams(max_new_tokens=50, skip_special_tokens=skip))
+    calls = []
+    real = proc.detokenizer._decode_batch
+    monkeypatch.setattr(
+        proc.detokenizer, "_decode_batch", lambda seqs, skip: calls.append(skip) or real(seqs, skip)
+    )
+    w = text_ids(TINY, "abc")
+    outs = proc.process(encode(VerifyStep(0, [f"r{k}" for k in range(40)], [w] * 40, [2] * 40)))
+    assert [o.text for o in outs] == ["abc"] * 40
+    assert sorted(calls) == [False, True]
