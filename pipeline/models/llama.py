@@ -166,3 +166,20 @@ class LlamaModel(nn.Module):
         x = self.norm(x)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head)
+
+
+def use_column_major_weights(model: LlamaModel) -> None:
+    """CPU float32 only: store every projection's weight column-major ([out, in] shape, [in, out]
+    memory), so `F.linear` runs a no-transpose GEMM. Measured single-threaded on SmolLM2 shapes
+    this is never slower and 1.5-2.2x faster for 5-32 rows (verify runs, batched decode);
+    bfloat16 GEMMs (oneDNN) prefer the usual layout, so they are left alone. A tied LM head
+    gets its own column-major copy; the embedding keeps the row-major table for lookups."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight = nn.Parameter(module.weight.t().contiguous().t(),
+                                             requires_grad=False)
+        if model.lm_head is None:
+            w = model.embed.weight
+            model.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            model.lm_head.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)

@@ -19,6 +19,7 @@ import torch
 from pipeline.models.attention import FLASH_PAGE_MULTIPLE, build_metadata, resolve_backend
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import CacheFullError, KVCache
+from pipeline.models.llama import use_column_major_weights
 
 __all__ = ["CacheFullError", "ModelRunner"]
 
@@ -35,6 +36,8 @@ class ModelRunner:
         self.dtype = dtype
         self.backend = resolve_backend(backend, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval()
+        if self.device.type == "cpu" and dtype == torch.float32:
+            use_column_major_weights(self.model)
         self.tokenizer = None  # set by load_runner when the source has one
         self.chat_template: str | None = None
         self.cache = KVCache(
