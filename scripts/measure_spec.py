@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                 ids = ids["input_ids"] if hasattr(ids, "keys") else ids
                 reqs.append((f"{draft}-{batch}-{i}", list(ids),
                              SamplingParams(max_new_tokens=args.max_tokens)))
-            before = (core.stats.steps, core.stats.verifies, core.stats.accepted_tokens)
+            before = (core.stats.steps, core.stats.verifies, core.stats.accepted_tokens,
+                      list(core.stats.histogram))
             t0 = time.perf_counter()
             out = asyncio.run(collect(core, reqs))
             dt = time.perf_counter() - t0
@@ -72,11 +73,13 @@ def main(argv: list[str] | None = None) -> int:
             verifies, accepted = s.verifies - before[1], s.accepted_tokens - before[2]
             tokens = sum(len(c.token_ids) for c in out.values())
             results[(draft, batch)] = [out[r[0]].token_ids for r in reqs]
+            hist = [n - (before[3][i] if i < len(before[3]) else 0)
+                    for i, n in enumerate(s.histogram)]
             mean_acc = accepted / verifies if verifies else 0.0
             print(f"draft={draft:5s} batch={batch}: {tokens} tokens in {dt:.2f}s = "
                   f"{tokens / dt:.1f} tok/s; steps={steps}; mean accepted drafts/verify="
                   f"{mean_acc:.2f} (tokens per verify {mean_acc + 1:.2f}); "
-                  f"histogram={s.histogram}", flush=True)
+                  f"histogram={hist}; finish={[out[r[0]].finish_reason for r in reqs]}", flush=True)
             if batch == args.batches[0]:
                 print("    sample:", repr(out[reqs[0][0]].text[:120]))
     for batch in args.batches:
