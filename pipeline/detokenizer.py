@@ -23,6 +23,7 @@ over decodes of the window's prefixes, done only when a match is found.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ class StopStrings:
 
     stops: tuple[str, ...]
     max_len: int
-    last_chars: str  # the distinct last characters: a match can only end on one of them
+    last_char_re: re.Pattern  # any last character of a stop string: a match ends on one of them
     # character c -> (k, s) for every proper prefix s[:k] ending in c, longest first
     by_last: dict[str, tuple[tuple[int, str], ...]]
 
@@ -47,8 +48,8 @@ class StopStrings:
         return _build_stop_strings(tuple(dict.fromkeys(stops))) if stops else None
 
     def may_complete(self, new: str) -> bool:
-        """False when no stop string can end inside `new` (cheap pre-check)."""
-        return any(c in new for c in self.last_chars)
+        """False when no stop string can end inside `new` (cheap pre-check: one regex scan)."""
+        return self.last_char_re.search(new) is not None
 
     def find(self, text: str, min_end: int) -> tuple[int, int, str] | None:
         """The occurrence in `text` with the earliest end beyond `min_end` (ties: the longest), as
@@ -82,9 +83,8 @@ def _build_stop_strings(stops: tuple[str, ...]) -> StopStrings:
         for k in range(1, len(s)):
             by_last.setdefault(s[k - 1], []).append((k, s))
     table = {c: tuple(sorted(v, key=lambda e: -e[0])) for c, v in by_last.items()}
-    return StopStrings(
-        stops, max(map(len, stops)), "".join(dict.fromkeys(s[-1] for s in stops)), table
-    )
+    last = "".join(sorted({re.escape(s[-1]) for s in stops}))
+    return StopStrings(stops, max(map(len, stops)), re.compile(f"[{last}]"), table)
 
 
 @dataclass(slots=True)
