@@ -13,6 +13,7 @@ from output_support import (
     PLAIN_ADDED,
     SP_PIECES,
     STOP,
+    Collected,
     byte_id,
     feed,
     make_step,
@@ -172,3 +173,41 @@ def test_smollm2_pool_holds_partial_utf8_pieces(smollm2_tokenizer, smol_pool):
     # The property above is only meaningful if some pieces decode to an incomplete character.
     partial = [t for t in smol_pool if smollm2_tokenizer.decode([t]).endswith("\ufffd")]
     assert len(partial) >= 4
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_requests_batched_together_finish_as_they_would_alone(data):
+    # Several requests in the same steps, with their own windows, params and start steps: the
+    # batched path (shared stop-id mask, one decode call, per-request offsets) must not mix them.
+    detok = Detokenizer(TINY)
+    cases = [data.draw(scenarios(TINY_POOL, _decode_fn(detok))) for _ in range(3)]
+    starts = [data.draw(st.integers(0, 3)) for _ in cases]
+    alone = []
+    for stream, params, _ in cases:
+        proc = OutputProcessor(TINY, [EOS])
+        proc.add_request("r", [], params)
+        alone.append(feed(proc, "r", stream, [1]).final())
+
+    proc = OutputProcessor(TINY, [EOS])
+    pos = [0] * len(cases)
+    got = [Collected() for _ in cases]
+    done = [False] * len(cases)
+    for k in range(200):
+        windows = {}
+        for j, ((stream, params, cuts), start) in enumerate(zip(cases, starts)):
+            if k == start:
+                proc.add_request(f"r{j}", [], params)
+            if k < start or done[j] or pos[j] >= len(stream):
+                continue
+            size = cuts[k % len(cuts)]
+            windows[f"r{j}"] = (pos[j], stream[pos[j] : pos[j] + size])
+        if not windows and k > max(starts):
+            break
+        if windows:
+            for out in proc.process(encode(make_step(k, windows))):
+                j = int(out.rid[1:])
+                got[j].outs.append(out)
+                pos[j] += len(windows[out.rid][1])
+                done[j] = out.finished
+    assert [g.final() for g in got] == alone
