@@ -26,6 +26,7 @@ import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.request_state import TextState
 
@@ -106,7 +107,7 @@ class DecodedWindow:
 class Detokenizer:
     """Batch decoding over a Hugging Face tokenizer (fast or slow) or a `tokenizers.Tokenizer`."""
 
-    def __init__(self, tokenizer, context_free: bool | None = None) -> None:
+    def __init__(self, tokenizer: Any, context_free: bool | None = None) -> None:
         self.tokenizer = tokenizer
         backend = _backend(tokenizer)
         self._backend = backend
@@ -216,7 +217,7 @@ class Detokenizer:
         return lo
 
 
-def _backend(tokenizer):
+def _backend(tokenizer: Any) -> Any:
     try:
         import tokenizers
     except ImportError:  # pragma: no cover - tokenizers is a dependency
@@ -227,7 +228,7 @@ def _backend(tokenizer):
     return backend if isinstance(backend, tokenizers.Tokenizer) else None
 
 
-def _special_ids(tokenizer, backend) -> frozenset[int]:
+def _special_ids(tokenizer: Any, backend: Any) -> frozenset[int]:
     ids: set[int] = set()
     if backend is not None:
         ids.update(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
@@ -235,7 +236,7 @@ def _special_ids(tokenizer, backend) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _is_byte_level(backend) -> bool:
+def _is_byte_level(backend: Any) -> bool:
     if backend is None:
         return False
     from tokenizers import decoders

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class OutputProcessor:
 
     def __init__(
         self,
-        tokenizer=None,
+        tokenizer: Any = None,
         eos_token_ids: Iterable[int] = (),
         finished_memory: int = FINISHED_MEMORY,
     ) -> None:
