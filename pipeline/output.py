@@ -247,23 +247,20 @@ class OutputProcessor:
                     ts.prefix_offset, ts.read_offset, ts.extra, ts.tail, ts.pending = update
                 ts.chars_sent += len(text)
             if fin is None:
-                append(
-                    RequestOutput(
-                        st.rid, ids, text, out_lp, out_top, False, None, None, None, None,
-                        stats.verify_ct, stats.accepted_tokens, stats.histogram.copy(),
-                    )
+                done, reason, matched, flen, fstep = False, None, None, None, None
+            else:
+                done, reason, matched, flen, fstep = (
+                    True, fin.reason, fin.matched, fin.finished_len, step
                 )  # fmt: skip
-                continue
-            st.status = _STATUS[fin.kind]
-            st.finished_len = fin.finished_len
-            st.matched_stop = fin.matched
-            st.finish_step = step
-            self._retire(st)
+                st.status = _STATUS[fin.kind]
+                st.finished_len = flen
+                st.matched_stop = matched
+                st.finish_step = step
+                self._retire(st)
             append(
                 RequestOutput(
-                    st.rid, ids, text, out_lp, out_top, True, fin.reason, fin.matched,
-                    fin.finished_len, step, stats.verify_ct, stats.accepted_tokens,
-                    stats.histogram.copy(),
+                    st.rid, ids, text, out_lp, out_top, done, reason, matched, flen, fstep,
+                    stats.verify_ct, stats.accepted_tokens, stats.histogram.copy(),
                 )
             )  # fmt: skip
         return outs
