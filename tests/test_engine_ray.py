@@ -89,16 +89,26 @@ def test_ray_abort_ends_stream_and_frees_slots(engines):
     assert stats["free_slots"] == stats["num_slots"] == 8
 
 
-async def _kill_during_generation(handle, which: str) -> tuple[list[BaseException], float]:
+async def _kill_during_generation(handle, which: str) -> tuple[list, float]:
+    """Three long requests; once each has streamed a delta, kill one stage actor."""
     import ray
 
     client = EngineClient(handle)
     actors = await handle.stage_actors.remote()
     victim = actors["draft"] if which == "draft" else actors["verifiers"][1]
-    params = SamplingParams(max_new_tokens=150, ignore_eos=True)
-    tasks = [asyncio.ensure_future(_collect(client, f"k{which}{i}", PROMPTS[i], params))
-             for i in range(3)]
-    await asyncio.sleep(0.5)
+    params = SamplingParams(max_new_tokens=240, ignore_eos=True)
+    started = [asyncio.Event() for _ in range(3)]
+
+    async def consume(i: int) -> list:
+        got = []
+        async for d in client.generate(f"k{which}{i}", PROMPTS[i], params):
+            got.append(d)
+            started[i].set()
+        return got
+
+    tasks = [asyncio.ensure_future(consume(i)) for i in range(3)]
+    for event in started:
+        await event.wait()
     ray.kill(victim, no_restart=True)
     t0 = time.monotonic()
     results = await asyncio.gather(*tasks, return_exceptions=True)
