@@ -96,8 +96,11 @@ class RayStages:
         self.actors.output.add_requests.remote(new, traceparents)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
-        proposal = self.actors.draft.propose.remote(plan)
-        calls = [v.verify.options(num_returns=2).remote(plan, proposal)
+        import ray
+
+        plan_ref = ray.put(plan)  # serialized once for the draft and every rank
+        proposal = self.actors.draft.propose.remote(plan_ref)
+        calls = [v.verify.options(num_returns=2).remote(plan_ref, proposal)
                  for v in self.actors.verifiers]
         # Await every rank: a dead rank surfaces as its own error, not as rank 0 hanging.
         results = await asyncio.gather(*(outcome for outcome, _ in calls))
@@ -123,15 +126,22 @@ class Engine:
         self.actors: StageActors | None = None
         self.core: EngineCore | None = None
         self.restarts = 0
+        self.tracer: Any = None
         self._rebuilding: asyncio.Task | None = None
 
     async def start(self) -> dict[str, Any]:
+        if self.config.tracing:
+            from pipeline.tracing import get_tracer, setup_tracing
+
+            setup_tracing("specrelay-engine", self.config.tracing)
+            self.tracer = get_tracer()
         await self._build()
         return await self.model_info()
 
     async def _build(self) -> None:
         self.actors = await create_stage_actors(self.config)
-        core = EngineCore(self.config, RayStages(self.actors), self.actors.info["vocab_size"])
+        core = EngineCore(self.config, RayStages(self.actors), self.actors.info["vocab_size"],
+                          self.tracer)
         self.core = core
         core.start().add_done_callback(lambda _t: self._on_loop_end(core))
 

@@ -88,8 +88,10 @@ class RequestStream:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, stages: Stages, vocab_size: int) -> None:
+    def __init__(self, config: EngineConfig, stages: Stages, vocab_size: int,
+                 tracer: Any = None) -> None:
         self.config = config
+        self.tracer = tracer  # an OpenTelemetry tracer: one `spec.engine_step` span per step
         self.stages = stages
         self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
                                    config.k, vocab_size)
@@ -171,10 +173,15 @@ class EngineCore:
 
     async def _step(self, plan: StepPlan, pending: asyncio.Future | None) -> asyncio.Future | None:
         self.stages.add_requests(plan.new, [self._traceparents.pop(n.rid, None) for n in plan.new])
+        span = self._start_span(plan)
         step = asyncio.ensure_future(self._timed(self.stages.run_step(plan), plan.step, "verify"))
         if pending is not None:  # step s-1's output is handled while step s drafts and verifies
             await self._deliver(pending)
-        outcome = await step
+        try:
+            outcome = await step
+        finally:
+            if span is not None:
+                span.end()
         if not outcome.rids:  # a release-only step: nothing to output
             return None
         self.scheduler.apply(outcome)
@@ -186,6 +193,19 @@ class EngineCore:
             return output
         await self._deliver(output)
         return None
+
+    def _start_span(self, plan: StepPlan) -> Any:
+        """The step's engine span; its context rides in the plan and the message, so the output
+        actor's `spec.verify_step` span joins the same trace."""
+        if self.tracer is None or not plan.rids:
+            return None
+        from pipeline.tracing import traceparent_of
+
+        span = self.tracer.start_span("spec.engine_step", attributes={
+            "spec.step": plan.step, "spec.batch_size": len(plan.rids),
+            "spec.prefills": len(plan.new)})
+        plan.traceparent = traceparent_of(span)
+        return span
 
     async def _timed(self, work: Awaitable, step: int, stage: str) -> Any:
         try:

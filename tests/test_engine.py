@@ -308,3 +308,30 @@ def test_stage_failure_or_timeout_fails_requests_and_marks_unhealthy(mode):
     assert ("died" if mode == "raise" else "step timeout") in errors[0]
     health = core.health()
     assert health["healthy"] is False and health["reason"]
+
+
+def test_engine_step_span_parents_the_output_verify_step_span():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pipeline.output import OutputProcessor
+    from pipeline.output_tracing import TracedOutputProcessor
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    config = load_config(CONFIG)
+    local = build_local_engine(config).stages
+    output = TracedOutputProcessor(OutputProcessor(TOK, [2]), tracer=tracer)
+    core = EngineCore(config, LocalStages(local.proposer, local.verifier, output), 256, tracer)
+    asyncio.run(collect(core, [("t", PROMPTS[0], SamplingParams(max_new_tokens=6))]))
+    spans = exporter.get_finished_spans()
+    engine_steps = {s.context.span_id: s for s in spans if s.name == "spec.engine_step"}
+    verify_steps = [s for s in spans if s.name == "spec.verify_step"]
+    assert verify_steps and len(verify_steps) == len(engine_steps)
+    for s in verify_steps:
+        parent = engine_steps[s.parent.span_id]
+        assert parent.context.trace_id == s.context.trace_id
+        assert parent.attributes["spec.step"] == s.attributes["spec.step"]
