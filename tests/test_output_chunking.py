@@ -29,6 +29,7 @@ from pipeline.detokenizer import Detokenizer
 from pipeline.output import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import encode
+from pipeline.tiny_tokenizer import ByteTokenizer
 
 TINY = tiny_tokenizer()
 TINY_POOL = (
@@ -211,3 +212,16 @@ def test_requests_batched_together_finish_as_they_would_alone(data):
                 pos[j] += len(windows[out.rid][1])
                 done[j] = out.finished
     assert [g.final() for g in got] == alone
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_python_tokenizer_without_rust_backend_every_cut_gives_the_same_output(data):
+    # pipeline.tiny_tokenizer.ByteTokenizer (the tiny test models' tokenizer): no Rust backend,
+    # so decoding goes through its batch_decode, with context offsets.
+    tok = ByteTokenizer()
+    detok = Detokenizer(tok)
+    assert not detok.context_free and detok.special_ids == {0, 1, 2}
+    pool = [ord(c) for c in "ab c.!"] + [0xE9, 0x80, 0, 1, 2]
+    stream, params, cuts = data.draw(scenarios(pool, _decode_fn(detok)))
+    check_invariance(tok, [2], stream, params, cuts)
