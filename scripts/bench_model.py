@@ -2,11 +2,12 @@
 the cost of a k+1 verify run relative to a 1-token decode, and HF `generate` on the same
 weights and prompt for comparison.
 
-    .venv/bin/python scripts/bench_model.py [--steps 32] [--batches 1 8 32] [--dtypes float32 bfloat16]
+    .venv/bin/python scripts/bench_model.py [--steps 24] [--batches 1 8 32] [--dtypes float32 bfloat16]
 
-Decode rate = batch * steps / time of `steps` single-token forwards after the prefill.
-HF decode rate = batch * (steps - 1) / (time(generate steps) - time(generate 1)), so both
-exclude the prefill. The same chat prompt is repeated `batch` times (no padding needed).
+"generate" rates count batch * steps tokens over the whole call, prefill included, for
+ours (one prefill forward + steps - 1 decode forwards, greedy) and HF `generate` alike;
+"decode" is ours without the prefill. The same chat prompt is repeated `batch` times (no
+padding needed). Each figure is the best of --reps runs, ours and HF alternated.
 """
 
 from __future__ import annotations
@@ -24,18 +25,23 @@ from pipeline.tokenizer import load_tokenizer
 PROMPT = "What is the capital of France? Answer in one sentence."
 
 
-def bench_decode(runner: ModelRunner, prompt: list[int], batch: int, steps: int) -> float:
+def bench_generate(runner: ModelRunner, prompt: list[int], batch: int,
+                   steps: int) -> tuple[float, float]:
+    """Greedy generation of `steps` tokens for `batch` copies of `prompt`, as HF `generate`
+    does it: one prefill forward, then steps - 1 single-token forwards.
+    Returns (end-to-end tok/s including the prefill, decode-only tok/s)."""
     slots = [runner.allocate() for _ in range(batch)]
+    t0 = time.perf_counter()
     last = runner.forward(slots, [prompt] * batch, last_only=True)
     tokens = [int(lg[-1].argmax()) for lg in last]
-    t0 = time.perf_counter()
-    for _ in range(steps):
+    t1 = time.perf_counter()
+    for _ in range(steps - 1):
         logits = runner.forward(slots, [[t] for t in tokens])
         tokens = [int(lg[-1].argmax()) for lg in logits]
-    dt = time.perf_counter() - t0
+    t2 = time.perf_counter()
     for s in slots:
         runner.free(s)
-    return batch * steps / dt
+    return batch * steps / (t2 - t0), batch * (steps - 1) / (t2 - t1)
 
 
 def bench_verify_ratio(runner: ModelRunner, prompt: list[int], batch: int, k: int,
@@ -60,29 +66,24 @@ def bench_verify_ratio(runner: ModelRunner, prompt: list[int], batch: int, k: in
 
 
 def bench_hf(hf_model: torch.nn.Module, prompt: list[int], batch: int, steps: int) -> float:
+    """End-to-end tok/s of HF greedy `generate` (prefill included), exactly `steps` tokens."""
     ids = torch.tensor([prompt] * batch)
-    mask = torch.ones_like(ids)
-
-    def run(n: int) -> float:
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=2)
-        return time.perf_counter() - t0
-
-    run(2)  # warm-up
-    return batch * (steps - 1) / (run(steps) - run(1))
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                          min_new_tokens=steps, do_sample=False, pad_token_id=2)
+    return batch * steps / (time.perf_counter() - t0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=default_model_path())
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()
     if args.threads:
@@ -106,18 +107,21 @@ def main() -> None:
             hf = AutoModelForCausalLM.from_pretrained(
                 os.path.dirname(args.model), gguf_file=os.path.basename(args.model),
                 dtype=dtype).eval()
-        bench_decode(runner, prompt, 1, 4)  # warm-up
+        bench_generate(runner, prompt, 1, 4)  # warm-ups
+        if hf is not None:
+            bench_hf(hf, prompt, 1, 4)
         for b in args.batches:
-            # Alternate ours and HF, keep each one's best: the machine is shared and noisy.
-            ours = theirs = 0.0
+            # Alternate ours and HF, keep each one's best: the machine may be shared and noisy.
+            e2e = dec = theirs = 0.0
             for _ in range(args.reps):
-                ours = max(ours, bench_decode(runner, prompt, b, args.steps))
+                e, d = bench_generate(runner, prompt, b, args.steps)
+                e2e, dec = max(e2e, e), max(dec, d)
                 if hf is not None:
                     theirs = max(theirs, bench_hf(hf, prompt, b, args.steps))
-            hf_text = f"   HF generate {theirs:7.1f} tok/s  ours/HF x{ours / theirs:.2f}" \
+            hf_text = f"  | HF generate {theirs:7.1f} tok/s  ours/HF x{e2e / theirs:.2f}" \
                 if hf is not None else ""
-            print(f"[{dtype_name:8s}] batch {b:3d}: ours decode {ours:7.1f} tok/s{hf_text}",
-                  flush=True)
+            print(f"[{dtype_name:8s}] batch {b:3d}: ours decode {dec:7.1f} tok/s, "
+                  f"generate {e2e:7.1f} tok/s{hf_text}", flush=True)
         for b in (1, 8):
             if b <= max(args.batches):
                 tv, t1 = bench_verify_ratio(runner, prompt, b, args.k, reps=10)

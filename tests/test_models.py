@@ -179,6 +179,15 @@ def test_mixed_batch_equals_separate_forwards():
         assert batched.length(slots[i]) == len(prompts[i]) + len(runs[i])
 
 
+def test_equal_length_batched_prefill_equals_single():
+    rng = random.Random(13)
+    prompts = [[rng.randrange(256) for _ in range(8)] for _ in range(3)]
+    batched = _tiny_runner()
+    out = batched.forward([batched.allocate() for _ in prompts], prompts)
+    for o, p in zip(out, prompts):
+        assert (o - _full_logits(p)).abs().max() < 1e-5
+
+
 def test_uniform_decode_batch_with_different_lengths_equals_single():
     rng = random.Random(9)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (4, 11, 7)]

@@ -59,7 +59,7 @@ class AttnMetadata:
     slot_start: int | None = None   # slots are start..start+B-1: slice the cache, no gather
     pad_idx: torch.Tensor | None = None   # [N] long into B*T; None when all runs have length T
     mask: torch.Tensor | None = None      # [B, 1, T, Lk] bool, True = attend
-    causal: bool = False            # sdpa: one run from position 0, use is_causal instead of mask
+    causal: bool = False            # sdpa: runs all start at 0 with one length: is_causal
     # flash only
     cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32
     seqused_k: torch.Tensor | None = None     # [B] int32
@@ -104,8 +104,8 @@ def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: li
         return meta
     if t == 1 and all(k == lk for k in k_lens):
         return meta  # decode, same lengths: every cached key is visible
-    if b == 1 and starts[0] == 0:
-        meta.causal = True
+    if uniform and not any(starts):
+        meta.causal = True  # equal-length prefills from position 0: plain causal attention
         return meta
     q_pos = starts_t[:, None] + torch.arange(t)                     # [B, T]
     k_pos = torch.arange(lk)                                        # [Lk]

@@ -73,6 +73,11 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {d.get('hidden_act')!r} (need 'silu')")
         if arch == "MistralForCausalLM" and d.get("sliding_window"):
             raise ValueError("unsupported: Mistral sliding-window attention")
+        if d.get("mlp_bias"):
+            raise ValueError("unsupported: mlp_bias=true (MLP projections with bias)")
+        if arch != "Qwen2ForCausalLM" and d.get("attention_bias"):
+            # HF Llama then also puts a bias on o_proj, which this model does not have.
+            raise ValueError(f"unsupported: {arch} with attention_bias=true (o_proj bias)")
         # transformers 5 folds rope_theta and rope_scaling into `rope_parameters`.
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = float(d.get("rope_theta", rope.pop("rope_theta", 10000.0)))
