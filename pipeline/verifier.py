@@ -95,11 +95,11 @@ class Verifier:
             return None
         width = max((len(d) for d in drafts), default=0)
         vocab = self.runner.vocab_size
-        q = torch.zeros((len(drafts), width, vocab))
+        q = torch.zeros((len(drafts), width, vocab), device=self.runner.device)
         offset = len(plan.new)
         for i, (p, d) in enumerate(zip(proposal.probs, drafts[offset:])):
             if p is not None and d:
-                q[offset + i, : len(d)] = p[: len(d)]
+                q[offset + i, : len(d)] = p[: len(d)].to(q.device)
         return q
 
 
@@ -108,26 +108,29 @@ def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[Sa
             generator: torch.Generator | None) -> AcceptanceResult:
     width = max(len(d) for d in drafts)
     batch, vocab = len(drafts), logits[0].shape[-1]
-    padded = torch.zeros((batch, width + 1, vocab))
+    device = logits[0].device  # acceptance runs where the logits are (GPU or CPU)
+    padded = torch.zeros((batch, width + 1, vocab), device=device)
     draft_ids = torch.zeros((batch, width), dtype=torch.int64)
     for i, (lg, d) in enumerate(zip(logits, drafts)):
         padded[i, : lg.shape[0]] = lg
         draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
-    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+    draft_ids = draft_ids.to(device)
+    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)
     top_n = max((p.logprobs or 0 for p in params), default=0)
-    return accept(draft_ids, num_drafts, padded, SamplingTensors.from_params(params), positions,
-                  draft_probs=q, num_top_logprobs=top_n, generator=generator)
+    sampling = SamplingTensors.from_params(params, device)
+    return accept(draft_ids, num_drafts, padded, sampling, positions, draft_probs=q,
+                  num_top_logprobs=top_n, generator=generator)
 
 
 def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],
              params: list[SamplingParams]) -> StepOutcome:
-    lengths = result.num_tokens.numpy().astype(np.int64)
-    keep = (torch.arange(result.token_ids.shape[1])[None, :] < result.num_tokens[:, None]).numpy()
-    tokens = result.token_ids.numpy()[keep].astype(np.int64)
+    lengths = result.num_tokens.cpu().numpy().astype(np.int64)
+    keep = np.arange(result.token_ids.shape[1])[None, :] < lengths[:, None]
+    tokens = result.token_ids.cpu().numpy()[keep].astype(np.int64)
     top_n = top_ids = top_lps = None
     tn = [p.logprobs or 0 for p in params]
     if any(tn):  # each request gets its own N of the step's max-N top-logprobs
-        ids, vals = result.top_ids.numpy(), result.top_values.numpy()
+        ids, vals = result.top_ids.cpu().numpy(), result.top_values.cpu().numpy()
         top_n = np.array(tn, dtype=np.int64)
         top_ids = np.concatenate(
             [ids[i, :n, :t].reshape(-1) for i, (n, t) in enumerate(zip(lengths, tn))]
@@ -138,7 +141,7 @@ def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],
     cols = StepColumns(
         step=plan.step, rids=plan.rids, lengths=lengths,
         drafted=np.array([len(d) for d in drafts], dtype=np.int64), tokens=tokens,
-        logprobs=result.logprobs.numpy()[keep].astype(np.float64),
+        logprobs=result.logprobs.cpu().numpy()[keep].astype(np.float64),
         top_n=top_n, top_ids=top_ids, top_logprobs=top_lps,
         traceparent=plan.traceparent, time=time.time(),
     )

@@ -53,12 +53,12 @@ class DraftModelProposer(Proposer):
             seqs = [self._seqs[rids[i]] for i in active]
             logits = self.runner.forward([s.slot for s in seqs], [runs[i] for i in active])
             last = torch.cat([lg[-1:] for lg in logits])  # [B, vocab]
-            sampling = SamplingTensors.from_params([s.params for s in seqs])
+            sampling = SamplingTensors.from_params([s.params for s in seqs], last.device)
             offsets = [len(s.tokens) - s.num_prompt + depth for s in seqs]
             picked, q = sample_tokens(last, sampling, offsets, STREAM_DRAFT)
             for row, i in enumerate(active):
                 tokens[i].append(int(picked[row]))
-                probs[i].append(q[row])
+                probs[i].append(q[row].cpu())  # q travels between processes on the CPU
             for i in active:  # what the cache now holds past `cached`
                 if depth > 0:
                     self._seqs[rids[i]].drafted.append(runs[i][0])
