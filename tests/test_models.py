@@ -188,6 +188,24 @@ def test_equal_length_batched_prefill_equals_single():
         assert (o - _full_logits(p)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("use_slots", [[4, 0, 2], [0, 7, 3]])
+def test_batches_over_slots_with_holes_equal_single(use_slots):
+    """[4, 0, 2]: spread over 5 slots, attended as one slice with padding rows;
+    [0, 7, 3]: spread over 8 > 2 * 3 slots, gathered."""
+    rng = random.Random(17)
+    runner = _tiny_runner(num_slots=8)
+    for _ in range(8):
+        runner.allocate()
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (6, 2, 9)]
+    runner.forward([1, 5, 6], [[1, 2, 3]] * 3)  # other slots hold unrelated tokens
+    runner.forward(use_slots, prompts)
+    for steps in ([[7], [8], [9]], [[7, 1, 2], [8], [9, 4]], [[3], [4], [5]]):
+        out = runner.forward(use_slots, steps)
+        for i, p in enumerate(prompts):
+            p += steps[i]
+            assert (out[i] - _full_logits(p)[-len(steps[i]):]).abs().max() < 1e-5
+
+
 def test_uniform_decode_batch_with_different_lengths_equals_single():
     rng = random.Random(9)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (4, 11, 7)]

@@ -92,6 +92,17 @@ def test_sdpa_mask_is_causal_within_run_and_hides_stale_keys():
     assert meta.pad_idx.tolist() == [0, 1, 2]
 
 
+def test_sdpa_rows_for_spread_slots():
+    # Slots 5 and 2 (span 4 <= 2 * 2): rows are cache slots 2..5, run order kept by pad_idx.
+    meta = build_metadata("sdpa", [5, 2], [3, 1], [1, 1], capacity=8, device="cpu")
+    assert (meta.slot_start, meta.batch, meta.pad_idx.tolist()) == (2, 4, [3, 0])
+    assert meta.mask[:, 0, 0].int().tolist() == [
+        [1, 1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    # Slots 0 and 7 (span 8 > 4): gathered, two rows.
+    meta = build_metadata("sdpa", [7, 0], [3, 3], [1, 1], capacity=8, device="cpu")
+    assert (meta.slot_start, meta.batch, meta.pad_idx, meta.mask) == (None, 2, None, None)
+
+
 def test_backend_switch():
     assert resolve_backend("auto", "cpu", torch.float32) == "sdpa"
     assert resolve_backend("auto", "cpu", torch.bfloat16) == "sdpa"

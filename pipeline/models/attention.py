@@ -50,15 +50,15 @@ def resolve_backend(backend: str, device: str | torch.device, dtype: torch.dtype
 @dataclass
 class AttnMetadata:
     backend: str
-    batch: int                      # B runs
+    batch: int                      # B runs (flash) / rows of the padded query (sdpa)
     max_q: int                      # T = longest run
     max_k: int                      # Lk = longest slot length after this forward
     slots: torch.Tensor             # [B] long
     write_idx: torch.Tensor         # [N] long, slot * capacity + position, into a flat cache
     positions: torch.Tensor         # [N] long, position of each new token in its slot
-    slot_start: int | None = None   # slots are start..start+B-1: slice the cache, no gather
-    pad_idx: torch.Tensor | None = None   # [N] long into B*T; None when all runs have length T
-    mask: torch.Tensor | None = None      # [B, 1, T, Lk] bool, True = attend
+    slot_start: int | None = None   # sdpa rows are cache slots start..start+batch-1: a view
+    pad_idx: torch.Tensor | None = None   # [N] long into batch*T; None: tokens already [B, T]
+    mask: torch.Tensor | None = None      # [batch, 1, T, Lk] bool, True = attend
     causal: bool = False            # sdpa: runs all start at 0 with one length: is_causal
     # flash only
     cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32
@@ -76,41 +76,46 @@ def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: li
     uniform = all(q == t for q in q_lens)
     slots_t = torch.tensor(slots, dtype=torch.long)
     starts_t = torch.tensor(starts, dtype=torch.long)
-    if uniform:
-        positions = (starts_t[:, None] + torch.arange(t)).reshape(-1)
-        tok_slot = slots_t.repeat_interleave(t)
-        pad_idx = None
-    else:
-        q_lens_t = torch.tensor(q_lens, dtype=torch.long)
-        row = torch.arange(b).repeat_interleave(q_lens_t)
-        offsets = torch.cumsum(q_lens_t, 0) - q_lens_t
-        within = torch.arange(int(q_lens_t.sum())) - offsets[row]
-        positions = starts_t[row] + within
-        tok_slot = slots_t[row]
-        pad_idx = (row * t + within).to(device)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.long)
+    run = torch.arange(b).repeat_interleave(q_lens_t, output_size=sum(q_lens))  # run of token
+    within = torch.arange(len(run)) - (torch.cumsum(q_lens_t, 0) - q_lens_t)[run]
+    positions = starts_t[run] + within
     meta = AttnMetadata(
         backend=backend, batch=b, max_q=t, max_k=lk, slots=slots_t.to(device),
-        write_idx=(tok_slot * capacity + positions).to(device), positions=positions.to(device),
-        pad_idx=pad_idx,
+        write_idx=(slots_t[run] * capacity + positions).to(device),
+        positions=positions.to(device),
     )
-    if slots == list(range(slots[0], slots[0] + b)):
-        meta.slot_start = slots[0]
     if backend == "flash":
         cu = torch.zeros(b + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+        cu[1:] = torch.cumsum(q_lens_t, 0)
         meta.cu_seqlens_q = cu.to(device)
         meta.seqused_k = torch.tensor(k_lens, dtype=torch.int32, device=device)
         meta.block_table = slots_t.to(torch.int32)[:, None].to(device)
         return meta
+    # SDPA rows. Slots lo..lo+b-1 in order: the cache slice is the batch. Slots spread over at
+    # most 2b: attend over the whole slice (absent slots are padding rows) instead of copying
+    # KV per layer. Otherwise gather the slots' KV (index_select) and keep run order.
+    lo, span = min(slots), max(slots) - min(slots) + 1
+    row = torch.arange(b)
+    if span == b and slots == list(range(lo, lo + b)):
+        meta.slot_start = lo
+    elif span <= 2 * b:
+        meta.slot_start, meta.batch, row = lo, span, slots_t - lo
+    if meta.batch != b or not uniform:
+        meta.pad_idx = (row[run] * t + within).to(device)
+    rows = meta.batch
     if t == 1 and all(k == lk for k in k_lens):
-        return meta  # decode, same lengths: every cached key is visible
+        return meta  # decode, same lengths: every cached key is visible (padding rows unused)
     if uniform and not any(starts):
         meta.causal = True  # equal-length prefills from position 0: plain causal attention
         return meta
-    q_pos = starts_t[:, None] + torch.arange(t)                     # [B, T]
-    k_pos = torch.arange(lk)                                        # [Lk]
-    k_lens_t = torch.tensor(k_lens, dtype=torch.long)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < k_lens_t[:, None, None])
+    # Padding rows (absent slots) see key 0 only, so no row is fully masked (NaN).
+    q_pos = torch.arange(t).repeat(rows, 1)                                     # [rows, T]
+    q_pos[row] += starts_t[:, None]
+    k_len = torch.ones(rows, dtype=torch.long)
+    k_len[row] = torch.tensor(k_lens, dtype=torch.long)
+    k_pos = torch.arange(lk)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < k_len[:, None, None])
     meta.mask = mask[:, None].to(device)
     return meta
 
