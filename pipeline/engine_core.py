@@ -102,6 +102,7 @@ class EngineCore:
         self._traceparents: dict[str, str | None] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._dropped = 0
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -248,7 +249,9 @@ class EngineCore:
 
     async def stats_dict(self) -> dict[str, Any]:
         s = self.stats
-        dropped = await self.stages.dropped_steps() if self.dead_reason is None else None
+        if self.dead_reason is None:  # a dead stage cannot answer: keep the last count
+            self._dropped = await self.stages.dropped_steps()
+        dropped = self._dropped
         return {
             "num_slots": self.scheduler.num_slots,
             "free_slots": self.scheduler.free_slots,

@@ -8,6 +8,7 @@ register `new`, apply `commits`, then draft / verify.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.params import SamplingParams
 
@@ -47,7 +48,7 @@ class StepOutcome:
     rids: list[str]
     tokens: list[list[int]]  # accepted drafts + target token, per rid (before finish truncation)
     drafted: list[int]
-    payload: bytes = b""
+    payload: Any = b""  # the msgpack message (bytes), or under Ray an object ref to it
 
     @property
     def num_accepted(self) -> int:
