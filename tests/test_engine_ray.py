@@ -89,6 +89,37 @@ def test_ray_abort_ends_stream_and_frees_slots(engines):
     assert stats["free_slots"] == stats["num_slots"] == 8
 
 
+def test_ray_full_queue_raises_overloaded_and_aborts_free_everything(engines):
+    from pipeline.errors import EngineOverloadedError
+
+    client = EngineClient(engines["tp1"])
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+
+    async def first_delta(rid: str):
+        gen = client.generate(rid, PROMPTS[1], params)
+        try:
+            return await gen.__anext__()
+        except EngineOverloadedError as e:
+            return e
+        finally:
+            await gen.aclose()  # closing early aborts the request
+
+    async def main():
+        # 8 slots + 64 waiting fit; the rest are refused before they yield anything.
+        results = await asyncio.gather(*(first_delta(f"o{i}") for i in range(80)))
+        for _ in range(100):
+            stats = await client.stats()
+            if stats["free_slots"] == 8 and stats["waiting"] == 0 and stats["running"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        return results, stats
+
+    results, stats = asyncio.run(main())
+    refused = [r for r in results if isinstance(r, EngineOverloadedError)]
+    assert len(refused) >= 8 and "full" in str(refused[0])
+    assert stats["free_slots"] == 8 and stats["waiting"] == 0 and stats["healthy"]
+
+
 async def _kill_during_generation(handle, which: str) -> tuple[list, float]:
     """Three long requests; once each has streamed a delta, kill one stage actor."""
     import ray
