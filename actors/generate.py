@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                             logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     tokenizer = load_engine_tokenizer(config)
     prompts = [encode(tokenizer, p, args.chat) for p in args.prompts]
-    ray.init(include_dashboard=False, log_to_driver=False,
-             num_cpus=max(2, config.tensor_parallel_size + 1))
+    owns_ray = not ray.is_initialized()  # inside a running Ray (tests, a job): use it
+    if owns_ray:
+        ray.init(include_dashboard=False, log_to_driver=False,
+                 num_cpus=max(2, config.tensor_parallel_size + 1))
     try:
         handle = start_engine(config)
         t0 = time.perf_counter()
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = ray.get(handle.stats.remote())
         stop_engine(handle)
     finally:
-        ray.shutdown()
+        if owns_ray:
+            ray.shutdown()
     total = 0
     for text, deltas in zip(args.prompts, results):
         last = deltas[-1]

@@ -170,3 +170,13 @@ def test_killed_stage_actor_fails_requests_fast_then_engine_rebuilds(engines, tp
     out = _run_batch(handle, [("after", PROMPTS[1], SamplingParams(max_new_tokens=5))])
     assert len(ids(out["after"])) == 5
     assert asyncio.run(EngineClient(handle).stats())["restarts"] == 1
+
+
+def test_generate_cli_prints_completions_finish_and_spec_stats(ray_cluster, capsys):
+    from actors.generate import main
+
+    assert main(["--config", "configs/tiny.yaml", "--max-tokens", "7", "--logprobs", "0",
+                 "--set", "num_slots=2", "hello", "abc"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- finish_reason=length matched_stop=None tokens=7") == 2
+    assert "--- logprobs=" in out and "tokens/s" in out and "mean_accepted=" in out
