@@ -2,7 +2,7 @@
 the cost of a k+1 verify run relative to a 1-token decode, and HF `generate` on the same
 weights and prompt for comparison.
 
-    .venv/bin/python scripts/bench_model.py [--steps 24] [--batches 1 8 32] [--dtypes float32 bfloat16]
+    .venv/bin/python scripts/bench_model.py [--steps 16] [--batches 1 8 32] [--dtypes float32 bfloat16]
 
 "generate" rates count batch * steps tokens over the whole call, prefill included, for
 ours (one prefill forward + steps - 1 decode forwards, greedy) and HF `generate` alike;
@@ -78,12 +78,12 @@ def bench_hf(hf_model: torch.nn.Module, prompt: list[int], batch: int, steps: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=default_model_path())
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()
     if args.threads:

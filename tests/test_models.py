@@ -220,14 +220,19 @@ def test_uniform_decode_batch_with_different_lengths_equals_single():
 
 def test_last_only_returns_final_row_of_each_run():
     rng = random.Random(3)
-    runs = [[rng.randrange(256) for _ in range(n)] for n in (5, 2)]
-    a, b = _tiny_runner(), _tiny_runner()
-    sa, sb = [a.allocate() for _ in runs], [b.allocate() for _ in runs]
+    runs = [[rng.randrange(256) for _ in range(n)] for n in (5, 2, 3)]
+    a, b, c = _tiny_runner(), _tiny_runner(), _tiny_runner()
+    sa, sb, sc = ([r.allocate() for _ in runs] for r in (a, b, c))
     full = a.forward(sa, runs)
     last = b.forward(sb, runs, last_only=True)
-    for f, la in zip(full, last):
+    mixed = c.forward(sc, runs, last_only=[True, False, True])
+    assert [m.shape[0] for m in mixed] == [1, 2, 1]
+    for f, la, m in zip(full, last, mixed):
         assert la.shape == (1, 256)
         assert (f[-1:] - la).abs().max() < 1e-5
+        assert (f[-m.shape[0]:] - m).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="2 last_only flags for 3 runs"):
+        c.forward(sc, runs, last_only=[True, False])
 
 
 def test_free_slot_is_reused_from_length_zero():

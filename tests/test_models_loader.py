@@ -62,7 +62,8 @@ def _hf_model(arch: str, seed: int = 0):
     return model
 
 
-def _write_gguf(path, hf_model, arch: str, qtype=Q.F32, bad_type=None) -> None:
+def _write_gguf(path, hf_model, arch: str, qtype=Q.F32, bad_type=None,
+                extra: dict[str, np.ndarray] | None = None) -> None:
     """Write `hf_model` as llama.cpp would. With a quantized `qtype`, `hf_model`'s 2-D weights
     are replaced by their quantize/dequantize round trip so HF stays the exact reference."""
     c = hf_model.config
@@ -98,6 +99,8 @@ def _write_gguf(path, hf_model, arch: str, qtype=Q.F32, bad_type=None) -> None:
     if bad_type is not None:
         _block, size = gguf.GGML_QUANT_SIZES[bad_type]  # one block per row
         w.add_tensor("blk.0.attn_q.weight", np.zeros((64, size), np.uint8), raw_dtype=bad_type)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -136,6 +139,14 @@ def test_gguf_unsupported_quant_type_is_named(tmp_path):
     path = tmp_path / "bad.gguf"
     _write_gguf(path, hf, "llama", bad_type=Q.IQ2_XXS)
     with pytest.raises(ValueError, match="unsupported quantization type IQ2_XXS"):
+        load_model(str(path), load_tokenizer=False)
+
+
+def test_gguf_rope_freqs_scaling_is_rejected(tmp_path):
+    path = tmp_path / "llama31.gguf"
+    _write_gguf(path, _hf_model("llama"), "llama",
+                extra={"rope_freqs.weight": np.ones(8, np.float32)})
+    with pytest.raises(ValueError, match="unsupported GGUF rope_freqs"):
         load_model(str(path), load_tokenizer=False)
 
 

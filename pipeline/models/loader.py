@@ -206,7 +206,7 @@ def _hf_name(name: str) -> str | None:
     parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_TO_HF:
         return f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.{parts[3]}"
-    return None  # e.g. rope_freqs: recomputed from the config
+    return None  # tensors this model does not use
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -229,6 +229,9 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     supported = _supported_quant_types()
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            raise ValueError(f"{path}: unsupported GGUF rope_freqs tensor (Llama-3.1 style rope "
+                             "scaling); load the Hugging Face folder of this model instead")
         hf = _hf_name(t.name)
         if hf is None:
             continue

@@ -68,31 +68,36 @@ class ModelRunner:
 
     # --- forward -----------------------------------------------------------------------
     def forward(self, slots: list[int], runs: list[list[int]],
-                last_only: bool = False) -> list[torch.Tensor]:
+                last_only: bool | list[bool] = False) -> list[torch.Tensor]:
         """Append run i at slot i's length; return per-run float32 logits [len(run), vocab].
 
-        `last_only=True` returns only each run's last row ([1, vocab]): a prefill that
-        needs just the next token skips the LM head for the rest of the prompt.
+        `last_only` (one flag, or one per run) returns only a run's last row ([1, vocab]):
+        a prefill that needs just the next token skips the LM head for the rest of its
+        prompt, and can share one forward with verify runs that need every row.
         """
         starts = self._validate(slots, runs)
         q_lens = [len(r) for r in runs]
+        flags = [last_only] * len(runs) if isinstance(last_only, bool) else list(last_only)
+        if len(flags) != len(runs):
+            raise ValueError(f"forward: {len(flags)} last_only flags for {len(runs)} runs")
         ids = torch.tensor(list(itertools.chain.from_iterable(runs)), dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
             raise ValueError(f"token id {bad} out of vocabulary [0, {self.vocab_size})")
         meta = build_metadata(self.backend, slots, starts, q_lens, self.cache.capacity,
                               self.device)
+        out_lens = [1 if f else n for f, n in zip(flags, q_lens)]
         logits_idx = None
-        if last_only:
-            logits_idx = torch.tensor(list(itertools.accumulate(q_lens)), device=self.device) - 1
+        if any(flags):
+            ends = list(itertools.accumulate(q_lens))
+            rows = [range(e - o, e) for e, o in zip(ends, out_lens)]
+            logits_idx = torch.tensor([i for r in rows for i in r], device=self.device)
         with torch.inference_mode():
             logits = self.model(ids.to(self.device), meta.positions, self.cache, meta,
                                 logits_idx=logits_idx).float()
         for slot, n in zip(slots, q_lens):
             self.cache.lengths[slot] += n
-        if last_only:
-            return list(logits.split(1))
-        return list(logits.split(q_lens))
+        return list(logits.split(out_lens))
 
     def _validate(self, slots: list[int], runs: list[list[int]]) -> list[int]:
         if len(slots) != len(runs):
