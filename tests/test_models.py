@@ -303,6 +303,24 @@ def test_config_rejects_unsupported_architecture():
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10})
 
 
+def test_config_from_transformers4_style_llama31_dict():
+    d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+         "max_position_embeddings": 131072, "bos_token_id": 128000,
+         "eos_token_id": [128001, 128008, 128009], "tie_word_embeddings": False,
+         "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    c = ModelConfig.from_hf_dict(d)
+    assert (c.head_dim, c.num_kv_heads, c.rope_theta) == (128, 8, 500000.0)
+    assert c.rope_scaling["factor"] == 8.0 and c.eos_token_ids == [128001, 128008, 128009]
+    assert c.attention_bias is False and c.eos_token_id == 128001
+    with pytest.raises(ValueError, match="o_proj bias"):
+        ModelConfig.from_hf_dict({**d, "attention_bias": True})
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        ModelConfig.from_hf_dict({**d, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
 def test_draft_target_pair_agreement_is_controlled():
     ids = _ids(0, 64, 256)
 
