@@ -166,8 +166,9 @@ class OutputProcessor:
         tops: list[tuple[int, int]] = []
         dropped = 0
         want_lp = False
+        step = cols.step
         for i, st in enumerate(states):
-            if st is None:
+            if st is None or step <= st.last_step:
                 dropped += 1
                 continue
             live.append((i, st))
@@ -217,7 +218,6 @@ class OutputProcessor:
             pairs = list(zip(cols.top_ids.tolist(), cols.top_logprobs.tolist()))
             top_n = cols.top_n.tolist()
             top_offs = cols.top_offsets.tolist()
-        step = cols.step
         outs: list[RequestOutput] = []
         append = outs.append
         for i, st in live:
@@ -227,6 +227,7 @@ class OutputProcessor:
             keep = n if fin is None else fin.pos - len(st.output_ids) + 1
             ids = toks[a : a + keep]
             st.output_ids.extend(ids)
+            st.last_step = step
             n_lp = st.params.logprobs
             out_lp = out_top = None
             if n_lp is not None:

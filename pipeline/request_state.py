@@ -77,6 +77,7 @@ class RequestState:
     finished_len: int | None = None
     matched_stop: int | str | None = None
     finish_step: int | None = None
+    last_step: int = -1  # newest step applied: a replayed or stale step is dropped, not re-applied
     logprobs_sent: int = 0
     text: TextState | None = None  # None when the processor has no tokenizer
     stops: Any = None  # a pipeline.detokenizer.StopStrings, or None without stop strings

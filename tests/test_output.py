@@ -283,6 +283,15 @@ def test_steps_for_finished_aborted_and_unknown_requests_are_dropped_and_counted
     assert (proc.dropped_steps, proc.dropped_unknown, proc.num_requests) == (3, 1, 1)
 
 
+def test_a_replayed_or_stale_step_is_dropped_not_applied_twice():
+    proc = proc_with(SamplingParams(max_new_tokens=50, logprobs=0))
+    [first] = step(proc, 3, {"r": (0, [5, 6])})
+    assert step(proc, 3, {"r": (0, [5, 6])}) == [] and step(proc, 2, {"r": (2, [7])}) == []
+    [later] = step(proc, 4, {"r": (2, [7])})
+    assert (first.token_ids, later.token_ids, later.logprobs) == ([5, 6], [7], [token_logprob(2, 7)])
+    assert list(proc.get_state("r").output_ids) == [5, 6, 7] and proc.dropped_steps == 2
+
+
 def test_finished_rids_are_remembered_only_up_to_a_bound():
     proc = OutputProcessor(None, [EOS], finished_memory=2)
     for k in range(5):
