@@ -91,9 +91,8 @@ class RayStages:
     def __init__(self, actors: StageActors) -> None:
         self.actors = actors
 
-    def add_requests(self, new: list[NewRequest], traceparents: list[str | None]) -> None:
-        # Calls from one caller to a sequential actor run in order: before the step's process.
-        self.actors.output.add_requests.remote(new, traceparents)
+    async def add_request(self, req: NewRequest, traceparent: str | None) -> None:
+        await self.actors.output.add_request.remote(req, traceparent)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
         import ray
@@ -163,7 +162,7 @@ class Engine:
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                        traceparent: str | None = None) -> AsyncIterator[RequestOutput]:
-        stream = self._core().add_request(rid, list(prompt_ids), params, traceparent)
+        stream = await self._core().add_request(rid, list(prompt_ids), params, traceparent)
         core, finished = self.core, False
         try:
             async for delta in stream:

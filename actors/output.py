@@ -23,9 +23,8 @@ class OutputActor:
         inner = OutputProcessor(tokenizer, self.eos_token_ids)
         self.processor = TracedOutputProcessor(inner)
 
-    def add_requests(self, new: list[NewRequest], traceparents: list[str | None]) -> None:
-        for req, tp in zip(new, traceparents):
-            self.processor.add_request(req.rid, req.prompt_ids, req.params, traceparent=tp)
+    def add_request(self, req: NewRequest, traceparent: str | None) -> None:
+        self.processor.add_request(req.rid, req.prompt_ids, req.params, traceparent=traceparent)
 
     def process(self, payload: bytes) -> list[RequestOutput]:
         return self.processor.process(payload)

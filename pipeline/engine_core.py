@@ -29,8 +29,9 @@ from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
 class Stages(Protocol):
     """What the loop drives. `payload` may be the message bytes or a handle to them."""
 
-    def add_requests(self, new: list[NewRequest], traceparents: list[str | None]) -> None:
-        """Register new requests with the output stage (before any step that carries them)."""
+    def add_request(self, req: NewRequest, traceparent: str | None) -> Awaitable[None]:
+        """Register a request with the output stage when it is queued (so it is known before
+        any step carries it); ValueError when the output stage refuses it."""
 
     def run_step(self, plan: StepPlan) -> Awaitable[StepOutcome]:
         """Draft and verify one step."""
@@ -99,26 +100,35 @@ class EngineCore:
         self.last_progress = time.time()
         self.dead_reason: str | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._traceparents: dict[str, str | None] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._dropped = 0
 
     # --- requests ---------------------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    traceparent: str | None = None) -> RequestStream:
+    async def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                          traceparent: str | None = None) -> RequestStream:
         """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
-        (queue full) or ValueError (bad prompt, duplicate id) before anything is queued."""
+        (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine is unhealthy: {self.dead_reason}")
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        was_idle = not self.scheduler.has_work
-        self.scheduler.add(rid, prompt_ids, params)
+        req = self.scheduler.prepare(rid, prompt_ids, params)
+        stream = self._streams[rid] = RequestStream(rid)  # reserves the id across the await
+        registered = False
+        try:
+            await self.stages.add_request(NewRequest(rid, req.prompt_ids, req.params),
+                                          traceparent)
+            registered = True
+            was_idle = not self.scheduler.has_work
+            self.scheduler.enqueue(req)  # the queue may have filled during the await
+        except BaseException:
+            self._streams.pop(rid, None)
+            if registered:
+                await self.stages.abort(rid)
+            raise
         if was_idle:
             self.last_progress = time.time()  # the step-timeout clock starts with the work
-        stream = self._streams[rid] = RequestStream(rid)
-        self._traceparents[rid] = traceparent
         self._wake.set()
         return stream
 
@@ -173,7 +183,6 @@ class EngineCore:
             self._fail(e)
 
     async def _step(self, plan: StepPlan, pending: asyncio.Future | None) -> asyncio.Future | None:
-        self.stages.add_requests(plan.new, [self._traceparents.pop(n.rid, None) for n in plan.new])
         span = self._start_span(plan)
         step = asyncio.ensure_future(self._timed(self.stages.run_step(plan), plan.step, "verify"))
         if pending is not None:  # step s-1's output is handled while step s drafts and verifies
@@ -209,11 +218,19 @@ class EngineCore:
         return span
 
     async def _timed(self, work: Awaitable, step: int, stage: str) -> Any:
+        # asyncio.wait, not wait_for: wait_for can swallow a cancellation that races with
+        # the inner task finishing (CPython gh-86296), which hangs loop shutdown.
+        task = asyncio.ensure_future(work)
         try:
-            return await asyncio.wait_for(work, self.config.step_timeout_s)
-        except asyncio.TimeoutError:
+            done, _ = await asyncio.wait({task}, timeout=self.config.step_timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
             raise EngineDeadError(f"step {step}: {stage} took longer than the step timeout "
-                                  f"({self.config.step_timeout_s}s)") from None
+                                  f"({self.config.step_timeout_s}s)")
+        return task.result()
 
     async def _deliver(self, output: asyncio.Future) -> None:
         for delta in await output:

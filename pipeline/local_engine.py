@@ -27,9 +27,8 @@ class LocalStages:
         self.verifier = verifier
         self.output = output
 
-    def add_requests(self, new: list[NewRequest], traceparents: list[str | None]) -> None:
-        for req in new:
-            self.output.add_request(req.rid, req.prompt_ids, req.params)
+    async def add_request(self, req: NewRequest, traceparent: str | None) -> None:
+        self.output.add_request(req.rid, req.prompt_ids, req.params)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
         outcome = self.verifier.step(plan, draft_step(self.proposer, plan))
@@ -99,7 +98,7 @@ async def collect(core: EngineCore, requests: list[tuple[str, list[int], Samplin
     """Submit all requests, run until each finished, fold their deltas."""
 
     async def one(rid: str, prompt: list[int], params: SamplingParams) -> Completion:
-        stream = core.add_request(rid, prompt, params)
+        stream = await core.add_request(rid, prompt, params)
         return fold([d async for d in stream])
 
     core.start()

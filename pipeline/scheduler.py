@@ -71,19 +71,30 @@ class Scheduler:
     # --- requests in and out --------------------------------------------------------------
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
         """Queue a request; EngineOverloadedError when the waiting queue is full."""
+        return self.enqueue(self.prepare(rid, prompt_ids, params))
+
+    def prepare(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """Validate a request and cap its output at max_model_len; queues nothing.
+        Raises ValueError (bad prompt, id in use) or EngineOverloadedError (queue full)."""
         if rid in self.running or any(r.rid == rid for r in self.waiting):
             raise ValueError(f"request id {rid!r} is already in use")
         self.check_prompt(prompt_ids)
-        if len(self.waiting) >= self.max_waiting:
-            raise EngineOverloadedError(
-                f"waiting queue is full ({self.max_waiting} requests); retry later")
+        self._check_room()
         # The engine never writes past max_model_len, so the output may not either.
         cap = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
         params = dataclasses.replace(params, max_new_tokens=cap,
                                      min_new_tokens=min(params.min_new_tokens, cap))
-        req = EngineRequest(rid, list(prompt_ids), params)
+        return EngineRequest(rid, list(prompt_ids), params)
+
+    def enqueue(self, req: EngineRequest) -> EngineRequest:
+        self._check_room()
         self.waiting.append(req)
         return req
+
+    def _check_room(self) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineOverloadedError(
+                f"waiting queue is full ({self.max_waiting} requests); retry later")
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

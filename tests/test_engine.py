@@ -144,7 +144,7 @@ def test_finishes_inside_one_window_end_exactly_and_emit_nothing_after(overlap, 
         core.start()
 
         async def one(rid, prompt, params):
-            deltas[rid] = [d async for d in core.add_request(rid, prompt, params)]
+            deltas[rid] = [d async for d in await core.add_request(rid, prompt, params)]
 
         await asyncio.gather(*(one(*r) for r in requests))
         await asyncio.sleep(0.05)  # let a late (overlapped) step drain
@@ -178,9 +178,9 @@ def test_abort_running_request_frees_slots():
 
     async def main():
         core.start()
-        stream = core.add_request("a", PROMPTS[0], SamplingParams(max_new_tokens=200,
+        stream = await core.add_request("a", PROMPTS[0], SamplingParams(max_new_tokens=200,
                                                                    ignore_eos=True))
-        other = core.add_request("b", PROMPTS[1], SamplingParams(max_new_tokens=5))
+        other = await core.add_request("b", PROMPTS[1], SamplingParams(max_new_tokens=5))
         got = []
         async for d in stream:
             got.append(d)
@@ -257,10 +257,10 @@ def test_full_queue_raises_overloaded_before_queueing():
     core = build_local_engine(load_config(CONFIG, {"max_waiting": 2}))
 
     async def main():
-        core.add_request("a", [5], SamplingParams())
-        core.add_request("b", [5], SamplingParams())
+        await core.add_request("a", [5], SamplingParams())
+        await core.add_request("b", [5], SamplingParams())
         with pytest.raises(EngineOverloadedError):
-            core.add_request("c", [5], SamplingParams())
+            await core.add_request("c", [5], SamplingParams())
         return core.scheduler.waiting
 
     assert [r.rid for r in asyncio.run(main())] == ["a", "b"]
@@ -289,7 +289,7 @@ def test_stage_failure_or_timeout_fails_requests_and_marks_unhealthy(mode):
 
     async def main():
         core.start()
-        streams = [core.add_request(f"r{i}", PROMPTS[i], SamplingParams(
+        streams = [await core.add_request(f"r{i}", PROMPTS[i], SamplingParams(
             max_new_tokens=50, ignore_eos=True)) for i in range(3)]
         t0 = time.monotonic()
         errors = []
@@ -300,7 +300,7 @@ def test_stage_failure_or_timeout_fails_requests_and_marks_unhealthy(mode):
             errors.append(str(e.value))
         elapsed = time.monotonic() - t0
         with pytest.raises(EngineDeadError):
-            core.add_request("late", [5], SamplingParams())
+            await core.add_request("late", [5], SamplingParams())
         return errors, elapsed
 
     errors, elapsed = asyncio.run(main())
@@ -335,3 +335,21 @@ def test_engine_step_span_parents_the_output_verify_step_span():
         parent = engine_steps[s.parent.span_id]
         assert parent.context.trace_id == s.context.trace_id
         assert parent.attributes["spec.step"] == s.attributes["spec.step"]
+
+
+def test_request_refused_by_the_output_stage_fails_alone_before_queueing():
+    core = build_local_engine(load_config(CONFIG))
+
+    def broken_grammar():
+        raise ValueError("grammar: cannot compile")
+
+    async def main():
+        core.start()
+        with pytest.raises(ValueError, match="grammar"):
+            await core.add_request("bad", PROMPTS[0], SamplingParams(grammar=broken_grammar))
+        stream = await core.add_request("bad", PROMPTS[0], SamplingParams(max_new_tokens=4))
+        return [d async for d in stream], core.health()
+
+    deltas, health = asyncio.run(main())
+    assert deltas[-1].finish_reason in ("length", "stop") and health["healthy"]
+    assert not core.scheduler.waiting and core.scheduler.free_slots == 8
