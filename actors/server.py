@@ -33,7 +33,8 @@ from pipeline.request_output import RequestOutput
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "SPECRELAY_API_KEY"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+          "/openapi.json")
 
 
 @dataclass
@@ -98,10 +99,14 @@ class TokenizerAdapter:
 
 
 class _Run:
-    """The engine requests of one HTTP request (one per choice), merged into one event queue."""
+    """The engine requests of one HTTP request (one per choice), merged into one event queue.
+    Counted in `inflight` (a one-element list) from creation until `close`."""
 
-    def __init__(self, engine: Any, traceparent: str | None) -> None:
+    def __init__(self, engine: Any, traceparent: str | None, inflight: list[int]) -> None:
         self.engine = engine
+        self.inflight = inflight
+        inflight[0] += 1
+        self.closed = False
         self.traceparent = traceparent
         self.queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = (
             asyncio.Queue())
@@ -158,6 +163,9 @@ class _Run:
 
     def close(self) -> None:
         """Synchronous so it also runs in a cancelled handler: stop pumps, abort the unfinished."""
+        if not self.closed:
+            self.closed = True
+            self.inflight[0] -= 1
         for task in self.tasks:
             task.cancel()
         for i, rid in enumerate(self.rids):
@@ -175,6 +183,17 @@ class _Server:
         self.settings = settings
         self._info: dict[str, Any] | None = None
         self.metrics = ServerMetrics(settings.model_name or "")
+        self.inflight = [0]  # HTTP generation requests not yet closed
+        self.draining = False
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new generation requests (503) and fail /health; wait up to `timeout` seconds
+        for those in flight to finish. Returns how many are still in flight."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.inflight[0] > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.inflight[0]
 
     async def info(self) -> dict[str, Any]:
         if self._info is None:
@@ -213,6 +232,9 @@ class _Server:
 
     async def _generate(self, request: Request, req: Any, prompts: list[list[int]],
                         info: dict[str, Any], chat: bool) -> Response:
+        if self.draining:
+            raise proto.APIError(503, "server is shutting down; retry on another replica",
+                                 type="server_error", code="server_shutting_down")
         jobs = []  # (prompt index, ids, params) per choice, choice index = position
         for p, ids in enumerate(prompts):
             for j in range(req.n):
@@ -225,7 +247,7 @@ class _Server:
         t0 = time.monotonic()
         deadline = None if not self.settings.request_timeout_s else (
             t0 + self.settings.request_timeout_s)
-        run = _Run(self.engine, request.headers.get("traceparent"))
+        run = _Run(self.engine, request.headers.get("traceparent"), self.inflight)
         for i, (_, ids, params) in enumerate(jobs):
             run.start(f"{rid}-{i}", ids, params)
         run.watch_disconnect(request.receive)
@@ -253,6 +275,8 @@ class _Server:
             "max_model_len": info.get("max_model_len")}]})
 
     async def health(self) -> Response:
+        if self.draining:
+            return JSONResponse({"healthy": False, "reason": "draining"}, status_code=503)
         try:
             h = await asyncio.wait_for(self.engine.health(), self.settings.health_timeout_s)
         except asyncio.TimeoutError:
@@ -450,7 +474,8 @@ def error_for(exc: BaseException, settings: ServerSettings) -> proto.APIError:
 
 
 def error_response(err: proto.APIError, settings: ServerSettings) -> JSONResponse:
-    headers = {"Retry-After": str(settings.retry_after_s)} if err.status_code == 429 else None
+    retry = err.status_code == 429 or err.code == "server_shutting_down"
+    headers = {"Retry-After": str(settings.retry_after_s)} if retry else None
     return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
 
 
@@ -487,6 +512,11 @@ def create_app(engine_client: Any, tokenizer: Any, settings: ServerSettings | No
     app.add_api_route("/v1/models", guarded(server.models), methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", guarded(server.metrics_text), methods=["GET"])
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(proto.openapi_schema())
+
+    app.add_api_route("/openapi.json", guarded(openapi), methods=["GET"])
     return app
 
 
