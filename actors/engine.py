@@ -17,7 +17,7 @@ from typing import Any
 
 from pipeline.config import EngineConfig
 from pipeline.engine_core import EngineCore
-from pipeline.errors import EngineDeadError
+from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.params import SamplingParams
 from pipeline.request_output import RequestOutput
 from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
@@ -145,6 +145,7 @@ class Engine:
         core.start().add_done_callback(lambda _t: self._on_loop_end(core))
 
     def _on_loop_end(self, core: EngineCore) -> None:
+        # Also after core.fail() (a failed health ping or registration) cancelled the loop.
         if core is self.core and core.dead_reason is not None and self._rebuilding is None:
             self._rebuilding = asyncio.get_running_loop().create_task(self._rebuild())
 
@@ -162,8 +163,15 @@ class Engine:
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                        traceparent: str | None = None) -> AsyncIterator[RequestOutput]:
-        stream = await self._core().add_request(rid, list(prompt_ids), params, traceparent)
-        core, finished = self.core, False
+        core = self._core()
+        try:
+            stream = await core.add_request(rid, list(prompt_ids), params, traceparent)
+        except (ValueError, EngineOverloadedError, EngineDeadError):
+            raise  # refused (a refusal from the output actor arrives as a ValueError too)
+        except Exception as e:  # noqa: BLE001 - the output actor is gone: fail and rebuild
+            core.fail(EngineDeadError(f"output stage unavailable: {e}"))
+            raise EngineDeadError(f"output stage unavailable: {e}") from None
+        finished = False
         try:
             async for delta in stream:
                 finished = delta.finished
@@ -189,15 +197,20 @@ class Engine:
             return {"healthy": False, "reason": "engine not started"}
         if self._rebuilding is not None:
             return {"healthy": False, "reason": f"rebuilding after: {self.core.dead_reason}"}
-        state = self.core.health()
-        if state["healthy"] and not self.core.scheduler.has_work:
-            # Idle: nothing would notice a dead actor, so ask them.
+        core = self.core
+        state = core.health()
+        if state["healthy"] and not core.scheduler.has_work:
+            # Idle: nothing would notice a dead or wedged actor, so ask them; one that does not
+            # answer within the step timeout fails the engine, which rebuilds its stages.
             try:
                 await asyncio.wait_for(
                     asyncio.gather(*(a.ping.remote() for a in self.actors.all)),
                     self.config.step_timeout_s)
             except Exception as e:  # noqa: BLE001 - any failure means a stage is gone
-                return {"healthy": False, "reason": f"stage actor unavailable: {e}"}
+                reason = f"stage actor unavailable: {type(e).__name__}: {e}"
+                if core is self.core:
+                    core.fail(EngineDeadError(reason))
+                return {"healthy": False, "reason": reason}
         return state
 
     async def model_info(self) -> dict[str, Any]:

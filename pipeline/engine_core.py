@@ -243,6 +243,14 @@ class EngineCore:
                 self.scheduler.finish(delta.rid)
         self.last_progress = time.time()
 
+    def fail(self, exc: BaseException) -> None:
+        """A stage failed outside the loop (a health ping, registering a request): end every
+        in-flight request with EngineDeadError, refuse new ones, and stop the loop."""
+        if self.dead_reason is None:
+            self._fail(exc)
+        if self._task is not None:
+            self._task.cancel()
+
     def _fail(self, exc: BaseException) -> None:
         reason = str(exc) or type(exc).__name__
         self.dead_reason = f"{type(exc).__name__}: {reason}"
