@@ -36,6 +36,10 @@ OVERRIDE_ALIASES = {"target_model": "model", "draft_kind": "draft"}
 # Requests are queued by the engine (which answers 429 when full), not by Serve: a high limit
 # keeps /health and /metrics from waiting behind long generations.
 MAX_ONGOING_REQUESTS = 4096
+# In-flight requests get this long to finish when a replica is stopped (Serve's
+# graceful_shutdown_timeout_s, `specrelay serve` on SIGTERM); the Helm chart passes its
+# drain.gracePeriodSeconds as args.drain_grace_s so both agree (docs/reliability.md).
+DRAIN_GRACE_S = 30.0
 
 
 def engine_overrides(raw: dict[str, Any] | None) -> dict[str, Any]:
@@ -54,7 +58,8 @@ def server_settings(args: dict[str, Any]) -> dict[str, Any]:
 
 
 @serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
-                  health_check_period_s=10, health_check_timeout_s=60)
+                  health_check_period_s=10, health_check_timeout_s=60,
+                  graceful_shutdown_timeout_s=DRAIN_GRACE_S, graceful_shutdown_wait_loop_s=1)
 @serve.ingress()
 class SpecrelayServer:
     """A replica: starts its Engine actor (owned by, and dying with, the replica) and the app."""
@@ -82,6 +87,15 @@ class SpecrelayServer:
 
     async def engine_stats(self) -> dict[str, Any]:
         return await self.client.stats()
+
+    async def engine_actor(self) -> Any:
+        """The Engine actor's handle (operations and failure tests)."""
+        return self.engine
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests (503, /health 503) and wait up to timeout_s for those in flight;
+        returns how many are still running."""
+        return await self.http_app.state.server.drain(timeout_s)
 
     async def __del__(self) -> None:
         # Replica shutdown: stop the engine so its stage actors and placement group go too.
@@ -112,6 +126,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     config = args.get("config")
     settings = server_settings(args)
     options: dict[str, Any] = {}
+    if "drain_grace_s" in args:
+        options["graceful_shutdown_timeout_s"] = float(args["drain_grace_s"])
     if "num_replicas" in args:
         options["num_replicas"] = int(args["num_replicas"])
     deployment = SpecrelayServer.options(**options) if options else SpecrelayServer
@@ -132,6 +148,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--address", default=None,
                    help="Ray cluster to join (default: RAY_ADDRESS, else start a local one)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray")
+    p.add_argument("--drain-grace", type=float, default=DRAIN_GRACE_S,
+                   help="seconds in-flight requests get to finish on SIGTERM (new ones: 503)")
     return p.parse_args(argv)
 
 
@@ -146,12 +164,13 @@ def serve_main(argv: list[str]) -> int:
     init: dict[str, Any] = {"address": args.address} if args.address else {}
     if not args.address and not os.environ.get("RAY_ADDRESS"):
         init.update(num_cpus=args.num_cpus, include_dashboard=False)
+        loopback_ray()
     ray.init(**init)
     app_args: dict[str, Any] = {
         "config": os.path.abspath(args.config) if args.config else None,
         "request_timeout_s": args.request_timeout, "max_body_bytes": args.max_body_bytes,
         # "" disables the key explicitly, so a replica never falls back to its own env.
-        "api_key": args.api_key or "",
+        "api_key": args.api_key or "", "drain_grace_s": args.drain_grace,
     }
     if args.served_model_name:
         app_args["model_name"] = args.served_model_name
@@ -164,6 +183,31 @@ def serve_main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    drain_app(args.drain_grace)
     serve.shutdown()
     ray.shutdown()
     return 0
+
+
+def loopback_ray() -> None:
+    """Make a local Ray bind its ports (GCS, raylet, agents, workers) to 127.0.0.1 only.
+
+    On Linux Ray resolves even an explicit 127.0.0.1 node address to the routable one and binds
+    every interface; its RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 switch (the macOS/Windows default)
+    keeps a single-node cluster on loopback. The switch is read when ray is imported, so the
+    constant is set too; the env var reaches the processes Ray starts."""
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def drain_app(grace_s: float) -> None:
+    """Stop taking requests and let those in flight finish (at most grace_s seconds)."""
+    try:
+        left = serve.get_app_handle(APP_NAME).drain.remote(grace_s).result(
+            timeout_s=grace_s + 10)
+        if left:
+            log.warning("drain: %d requests still in flight after %.0fs", left, grace_s)
+    except Exception as e:  # noqa: BLE001 - shutting down either way
+        log.warning("drain failed: %s", e)

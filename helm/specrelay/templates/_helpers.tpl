@@ -149,6 +149,10 @@ applications:
       config: {{ $s.config | quote }}
       overrides:
         {{- toYaml $overrides | nindent 8 }}
+    # A stopping replica gives in-flight requests the preStop drain period (docs/reliability.md).
+    deployments:
+      - name: SpecrelayServer
+        graceful_shutdown_timeout_s: {{ .Values.drain.gracePeriodSeconds }}
 {{- end }}
 
 {{/* Worker group bounds; unset means "equal to replicas" (no autoscaling). */}}
