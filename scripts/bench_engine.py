@@ -1,0 +1,658 @@
+"""End-to-end engine benchmark: modes x workloads x batch sizes on one set of weights, with
+Hugging Face `generate` (plain and prompt lookup) as the outside baseline, in one process/run.
+
+    .venv/bin/python scripts/bench_engine.py [--max-tokens 64] [--batches 1 8 32] ...
+    specrelay bench [same flags]
+
+Modes: `none` (target only), `ngram` (prompt lookup) and `model` (a draft model). SmolLM2-135M
+has no smaller sibling here, so the `model` draft is a STAND-IN: the target's own weights with
+most layers skipped (`--draft-layers`), sharing the embedding, final norm and LM head.
+
+"Batch b" means b requests in flight together: the workload's prompts run in waves of b (a wave
+starts when the previous one has finished), so TTFT never includes queueing.
+
+Per run it records output tokens/s, requests/s, TTFT and inter-token latency p50/p99, accepted
+length and acceptance rate, and (in-process) the step time split into draft, verify, output
+processing and the rest. Under Ray (`--ray-batches`) only the totals are known; the difference
+to the in-process run of the same configuration is the Ray overhead.
+
+Writes `<out>/results.json` and PNG plots; exits 1 (after writing them) when greedy outputs
+differ between modes, printing the first difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `actors`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WORKLOAD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
+MODES = ("none", "ngram", "model")
+
+
+# --- workloads ------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    id: str
+    kind: str
+    text: str
+
+
+def load_workload(name: str) -> list[Prompt]:
+    """`name` is a file in scripts/workloads (without .jsonl) or a path to a .jsonl file."""
+    path = name if name.endswith(".jsonl") else os.path.join(WORKLOAD_DIR, f"{name}.jsonl")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Prompt(r["id"], r.get("kind", "chat"), r["prompt"]) for r in rows]
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Chat-templated ids when the tokenizer has a template, plain bytes otherwise (tiny)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# --- timing of the in-process stages -------------------------------------------------------
+@dataclass
+class StageTimes:
+    draft: float = 0.0  # draft_step: proposer bookkeeping + lookup or draft-model forwards
+    draft_forward: float = 0.0  # draft-model forwards only
+    verify: float = 0.0  # Verifier.step: target forward, acceptance, message encode
+    verify_forward: float = 0.0  # target-model forwards only
+    output: float = 0.0  # OutputProcessor.process
+
+
+class Clock:
+    """The StageTimes that timed wrappers currently add to (one per benchmark run)."""
+
+    def __init__(self) -> None:
+        self.times = StageTimes()
+
+    def wrap_forward(self, runner: Any, attr: str) -> None:
+        inner = runner.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                setattr(self.times, attr, getattr(self.times, attr) + time.perf_counter() - t0)
+
+        runner.forward = forward
+
+
+def timed_stages(clock: Clock, proposer: Any, verifier: Any, output: Any) -> Any:
+    from pipeline.drafting import draft_step
+    from pipeline.local_engine import LocalStages
+
+    class TimedStages(LocalStages):
+        async def run_step(self, plan: Any) -> Any:
+            t0 = time.perf_counter()
+            proposal = draft_step(self.proposer, plan)
+            t1 = time.perf_counter()
+            outcome = self.verifier.step(plan, proposal)
+            t2 = time.perf_counter()
+            clock.times.draft += t1 - t0
+            clock.times.verify += t2 - t1
+            return outcome
+
+        async def process(self, payload: bytes) -> Any:
+            t0 = time.perf_counter()
+            out = self.output.process(payload)
+            clock.times.output += time.perf_counter() - t0
+            return out
+
+    return TimedStages(proposer, verifier, output)
+
+
+# --- results ------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    engine: str  # local | ray | hf
+    mode: str  # none | ngram | model | hf | hf-pld
+    workload: str
+    batch: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    requests_per_s: float
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None  # gaps between a stream's deltas (one delta per step)
+    itl_p99_ms: float | None = None
+    tpot_ms: float | None = None  # mean over requests of (last - first delta) / (tokens - 1)
+    steps: int = 0
+    mean_accepted_len: float | None = None  # tokens per verify (accepted drafts + 1)
+    acceptance_rate: float | None = None  # accepted drafts / drafted tokens
+    histogram: list[int] = field(default_factory=list)  # verifies by accepted drafts
+    breakdown_ms: dict[str, float] = field(default_factory=dict)  # per step
+    outside_forward_frac: float | None = None  # step time not in a model forward
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass
+class Trace:
+    """One request as the client saw it."""
+
+    rid: str
+    submitted: float
+    times: list[float]  # arrival of each delta that carried tokens
+    counts: list[int]  # tokens per such delta
+    token_ids: list[int]
+
+
+def latency_stats(traces: list[Trace]) -> dict[str, float | None]:
+    ttft = [(t.times[0] - t.submitted) * 1e3 for t in traces if t.times]
+    gaps = [(b - a) * 1e3 for t in traces for a, b in zip(t.times, t.times[1:])]
+    tpot = [(t.times[-1] - t.times[0]) * 1e3 / (len(t.token_ids) - 1)
+            for t in traces if len(t.token_ids) > 1]
+    return {"ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "itl_p50_ms": percentile(gaps, 50), "itl_p99_ms": percentile(gaps, 99),
+            "tpot_ms": sum(tpot) / len(tpot) if tpot else None}
+
+
+async def stream_one(submit: Callable[[], Any], rid: str) -> Trace:
+    """Submit through `submit()` (a stream or an awaitable of one) and time its deltas."""
+    trace = Trace(rid, time.perf_counter(), [], [], [])
+    stream = submit()
+    if inspect.isawaitable(stream):
+        stream = await stream
+    async for d in stream:
+        if d.token_ids:
+            trace.times.append(time.perf_counter())
+            trace.counts.append(len(d.token_ids))
+            trace.token_ids += list(d.token_ids)
+    return trace
+
+
+# --- the engine runs ----------------------------------------------------------------------
+@dataclass
+class Request:
+    rid: str
+    ids: list[int]
+
+
+def waves(requests: list[Request], batch: int) -> list[list[Request]]:
+    return [requests[i:i + batch] for i in range(0, len(requests), batch)]
+
+
+async def run_local_waves(core: Any, requests: list[Request], batch: int,
+                          params: Any) -> tuple[list[Trace], float]:
+    core.start()
+    traces: list[Trace] = []
+    t0 = time.perf_counter()
+    for wave in waves(requests, batch):
+        traces += await asyncio.gather(*(stream_one(
+            lambda r=r: core.add_request(r.rid, r.ids, params), r.rid) for r in wave))
+    wall = time.perf_counter() - t0
+    # Let the release-only plan free the slots before the next run reuses the runner.
+    for _ in range(1000):
+        if not core.scheduler.has_work:
+            break
+        await asyncio.sleep(0)
+    return traces, wall
+
+
+def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    hist_b, hist_a = before["histogram"], after["histogram"]
+    hist = [n - (hist_b[i] if i < len(hist_b) else 0) for i, n in enumerate(hist_a)]
+    return {k: after[k] - before[k] for k in ("steps", "verifies", "accepted_tokens",
+                                              "drafted_tokens")} | {"histogram": hist}
+
+
+def snapshot(stats: Any) -> dict[str, Any]:
+    if isinstance(stats, dict):
+        return {k: stats[k] for k in ("steps", "verifies", "accepted_tokens", "drafted_tokens")} \
+            | {"histogram": list(stats.get("acceptance_histogram", []))}
+    return {"steps": stats.steps, "verifies": stats.verifies,
+            "accepted_tokens": stats.accepted_tokens, "drafted_tokens": stats.drafted_tokens,
+            "histogram": list(stats.histogram)}
+
+
+def make_result(engine: str, mode: str, workload: str, batch: int, traces: list[Trace],
+                wall: float, spec: dict[str, Any] | None) -> RunResult:
+    tokens = sum(len(t.token_ids) for t in traces)
+    res = RunResult(engine, mode, workload, batch, len(traces), tokens, wall, tokens / wall,
+                    len(traces) / wall, **latency_stats(traces),
+                    outputs={t.rid: t.token_ids for t in traces})
+    if spec is not None:
+        res.steps = spec["steps"]
+        res.histogram = spec["histogram"]
+        if spec["verifies"]:
+            res.mean_accepted_len = spec["accepted_tokens"] / spec["verifies"] + 1
+        if spec["drafted_tokens"]:
+            res.acceptance_rate = spec["accepted_tokens"] / spec["drafted_tokens"]
+    return res
+
+
+def add_breakdown(res: RunResult, t: StageTimes) -> None:
+    steps = max(res.steps, 1)
+    parts = {
+        "draft_forward": t.draft_forward,
+        "draft_other": t.draft - t.draft_forward,
+        "verify_forward": t.verify_forward,
+        "verify_other": t.verify - t.verify_forward,
+        "output": t.output,
+        "other": res.wall_s - t.draft - t.verify - t.output,
+    }
+    res.breakdown_ms = {k: v * 1e3 / steps for k, v in parts.items()}
+    res.breakdown_ms["step"] = res.wall_s * 1e3 / steps
+    res.outside_forward_frac = 1 - (t.draft_forward + t.verify_forward) / res.wall_s
+
+
+# --- models -------------------------------------------------------------------------------
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """'0-5,27-29' -> [0..5, 27..29]; 'auto' -> first third plus the last two (min 1)."""
+    if spec == "auto":
+        head = max(1, num_layers // 4)
+        tail = 2 if num_layers >= 8 else 0
+        return sorted(set(range(head)) | set(range(num_layers - tail, num_layers)))
+    keep: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        keep += list(range(int(lo), int(hi or lo) + 1))
+    if not keep or any(not 0 <= i < num_layers for i in keep):
+        raise ValueError(f"--draft-layers {spec!r}: layers must be in 0..{num_layers - 1}")
+    return sorted(set(keep))
+
+
+def layer_skip_draft(target: Any, keep: list[int], num_slots: int, max_len: int) -> Any:
+    """A draft runner over the target's own modules, keeping only layers `keep`: no extra
+    weight memory, its own KV cache (the stand-in for a smaller sibling model)."""
+    import torch
+
+    from pipeline.models.llama import LlamaModel
+    from pipeline.models.runner import ModelRunner
+
+    src = target.model
+    cfg = dataclasses.replace(target.config, num_layers=len(keep))
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model.embed, model.norm, model.lm_head = src.embed, src.norm, src.lm_head
+    model.rotary = src.rotary
+    model.layers = torch.nn.ModuleList(src.layers[i] for i in keep)
+    return ModelRunner(model, cfg, num_slots=num_slots, max_len=max_len, device=target.device,
+                       dtype=target.dtype, backend=target.backend)
+
+
+class LocalBench:
+    """One target runner shared by an engine per mode (draft: none, ngram, model)."""
+
+    def __init__(self, config: Any, args: argparse.Namespace) -> None:
+        from pipeline.runners import build_runner
+
+        self.config = config
+        self.args = args
+        self.clock = Clock()
+        self.target = build_runner(config, "target")
+        self.clock.wrap_forward(self.target, "verify_forward")
+        self.tokenizer = self.target.tokenizer
+        self.draft_layers = parse_layers(args.draft_layers, self.target.config.num_layers)
+        self.draft_runner: Any = None
+        self.cores: dict[str, Any] = {}
+
+    def core(self, mode: str) -> Any:
+        if mode not in self.cores:
+            self.cores[mode] = self._build(mode)
+        return self.cores[mode]
+
+    def _build(self, mode: str) -> Any:
+        from pipeline.engine_core import EngineCore
+        from pipeline.local_engine import make_output_processor
+        from pipeline.proposers.draft_model import DraftModelProposer
+        from pipeline.tokenizer import eos_token_ids
+        from pipeline.verifier import Verifier
+
+        k = self.args.k if mode != "none" else 0
+        # The draft model is built here (layer skip), so the config only names a placeholder.
+        cfg = self.config.replace(draft=mode, num_speculative_tokens=k,
+                                  draft_model="layer-skip" if mode == "model" else None)
+        if mode == "model":
+            if self.draft_runner is None:
+                self.draft_runner = layer_skip_draft(self.target, self.draft_layers,
+                                                     cfg.num_slots, cfg.max_model_len)
+                self.clock.wrap_forward(self.draft_runner, "draft_forward")
+            proposer: Any = DraftModelProposer(self.draft_runner)
+        else:
+            from pipeline.drafting import build_proposer
+
+            proposer = build_proposer(cfg)
+        output = make_output_processor(self.tokenizer, eos_token_ids(self.tokenizer))
+        stages = timed_stages(self.clock, proposer, Verifier(self.target), output)
+        return EngineCore(cfg, stages, self.target.vocab_size)
+
+    def run(self, mode: str, workload: str, batch: int, requests: list[Request],
+            params: Any) -> RunResult:
+        core = self.core(mode)
+        before = snapshot(core.stats)
+        self.clock.times = StageTimes()
+        traces, wall = asyncio.run(run_local_waves(core, requests, batch, params))
+        times = self.clock.times
+        res = make_result("local", mode, workload, batch, traces, wall,
+                          stats_delta(before, snapshot(core.stats)))
+        add_breakdown(res, times)
+        return res
+
+
+def run_ray(config: Any, mode: str, workload: str, batches: list[int],
+            requests: list[Request], params: Any, k: int) -> list[RunResult]:
+    """The same runs through `start_engine` (one engine for all batch sizes)."""
+    import ray
+
+    from actors.engine import start_engine, stop_engine
+    from actors.engine_client import EngineClient
+
+    owns = not ray.is_initialized()
+    if owns:
+        ray.init(num_cpus=max(2, config.tensor_parallel_size + 1), include_dashboard=False,
+                 log_to_driver=False)
+    cfg = config.replace(draft=mode, num_speculative_tokens=k if mode != "none" else 0)
+    handle = start_engine(cfg)
+    client = EngineClient(handle)
+    results = []
+    try:
+        async def go(batch: int) -> tuple[list[Trace], float]:
+            traces: list[Trace] = []
+            t0 = time.perf_counter()
+            for wave in waves(requests, batch):
+                traces += await asyncio.gather(*(stream_one(
+                    lambda r=r: client.generate(f"ray-{batch}-{r.rid}", r.ids, params), r.rid)
+                    for r in wave))
+            return traces, time.perf_counter() - t0
+
+        asyncio.run(go(1))  # warm-up (actor start, first forwards)
+        for batch in batches:
+            before = snapshot(ray.get(handle.stats.remote()))
+            traces, wall = asyncio.run(go(batch))
+            after = snapshot(ray.get(handle.stats.remote()))
+            for t in traces:
+                t.rid = t.rid.removeprefix(f"ray-{batch}-")
+            res = make_result("ray", mode, workload, batch, traces, wall,
+                              stats_delta(before, after))
+            res.breakdown_ms = {"step": wall * 1e3 / max(res.steps, 1)}
+            results.append(res)
+    finally:
+        stop_engine(handle)
+        if owns:
+            ray.shutdown()
+    return results
+
+
+def run_hf(model_path: str, workload: str, requests: list[Request], max_tokens: int, k: int,
+           eos: list[int], hf: Any) -> list[RunResult]:
+    """HF `generate` at batch 1, plain and with prompt lookup (`prompt_lookup_num_tokens`)."""
+    import torch
+
+    results = []
+    for mode, extra in (("hf", {}), ("hf-pld", {"prompt_lookup_num_tokens": k})):
+        traces = []
+        t0 = time.perf_counter()
+        for r in requests:
+            ids = torch.tensor([r.ids])
+            t1 = time.perf_counter()
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=max_tokens, do_sample=False,
+                                  pad_token_id=eos[0], eos_token_id=eos, **extra)
+            new = out[0, len(r.ids):].tolist()
+            traces.append(Trace(r.rid, t1, [], [], new))
+        results.append(make_result("hf", mode, workload, 1, traces,
+                                   time.perf_counter() - t0, None))
+    return results
+
+
+def load_hf(model_path: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if model_path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
+            dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+# --- checks, report -----------------------------------------------------------------------
+def first_difference(results: list[RunResult]) -> str | None:
+    """Greedy outputs of every engine run of one (workload, batch) must be identical."""
+    groups: dict[tuple[str, int], list[RunResult]] = {}
+    for r in results:
+        if r.engine != "hf":
+            groups.setdefault((r.workload, r.batch), []).append(r)
+    for (workload, batch), runs in groups.items():
+        ref = runs[0]
+        for other in runs[1:]:
+            for rid, want in ref.outputs.items():
+                got = other.outputs.get(rid)
+                if got == want:
+                    continue
+                got = got or []
+                pos = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b),
+                           min(len(want), len(got)))
+                return (f"{workload} batch {batch} request {rid}: {ref.engine}/{ref.mode} and "
+                        f"{other.engine}/{other.mode} differ at output token {pos}: "
+                        f"{want[pos:pos + 5]} vs {got[pos:pos + 5]} "
+                        f"(lengths {len(want)} vs {len(got)})")
+    return None
+
+
+def hf_agreement(results: list[RunResult]) -> dict[str, float]:
+    """Share of requests where HF's greedy output equals ours (a numerics check, not a gate)."""
+    out = {}
+    for r in results:
+        if r.mode != "hf":
+            continue
+        ours = next((o for o in results if o.engine == "local" and o.mode == "none"
+                     and o.workload == r.workload and o.batch == 1), None)
+        if ours is not None:
+            same = sum(ours.outputs.get(rid) == toks for rid, toks in r.outputs.items())
+            out[r.workload] = same / max(len(r.outputs), 1)
+    return out
+
+
+def targets(results: list[RunResult]) -> dict[str, Any]:
+    def tps(engine: str, mode: str, workload: str, batch: int) -> float | None:
+        r = next((r for r in results if (r.engine, r.mode, r.workload, r.batch)
+                  == (engine, mode, workload, batch)), None)
+        return r.tokens_per_s if r else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    out: dict[str, Any] = {}
+    out["ngram_b1_copy_vs_none"] = ratio(tps("local", "ngram", "copy", 1),
+                                         tps("local", "none", "copy", 1))
+    workloads = sorted({r.workload for r in results})
+    out["none_b1_vs_hf"] = {w: ratio(tps("local", "none", w, 1), tps("hf", "hf", w, 1))
+                            for w in workloads}
+    out["b8_vs_b1"] = {f"{m}/{w}": ratio(tps("local", m, w, 8), tps("local", m, w, 1))
+                       for m in MODES for w in workloads if tps("local", m, w, 8)}
+    out["outside_forward_b8"] = {f"{r.mode}/{r.workload}": r.outside_forward_frac
+                                 for r in results if r.engine == "local" and r.batch == 8}
+    return out
+
+
+def table(results: list[RunResult]) -> str:
+    head = ("| engine | mode | workload | batch | tok/s | req/s | TTFT p50/p99 ms | "
+            "ITL p50/p99 ms | acc. len | acc. rate | step ms | outside fwd |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+
+    def f(v: float | None, fmt: str = "{:.1f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    for r in results:
+        lines.append(
+            f"| {r.engine} | {r.mode} | {r.workload} | {r.batch} | {r.tokens_per_s:.1f} | "
+            f"{r.requests_per_s:.2f} | {f(r.ttft_p50_ms, '{:.0f}')}/{f(r.ttft_p99_ms, '{:.0f}')}"
+            f" | {f(r.itl_p50_ms, '{:.0f}')}/{f(r.itl_p99_ms, '{:.0f}')} | "
+            f"{f(r.mean_accepted_len, '{:.2f}')} | {f(r.acceptance_rate, '{:.2f}')} | "
+            f"{f(r.breakdown_ms.get('step'), '{:.0f}')} | "
+            f"{f(r.outside_forward_frac, '{:.0%}')} |")
+    return "\n".join(lines)
+
+
+# --- main ---------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specrelay bench", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/smollm2-cpu.yaml")
+    p.add_argument("--model", default=None, help="override the config's model (e.g. tiny:0)")
+    p.add_argument("--workloads", nargs="+", default=["copy", "chat", "mix"])
+    p.add_argument("--big-batch-workloads", nargs="+", default=["mix"],
+                   help="workloads run at batches > 8 (they dominate the run time)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--requests-b1", type=int, default=2,
+                   help="requests per batch-1 run (batch b > 1 runs b requests)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="speculative tokens per step")
+    p.add_argument("--draft-layers", default="auto",
+                   help="target layers the stand-in draft keeps, e.g. 0-7,28-29")
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampling (no check)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: see docs/benchmarks.md on oversubscription)")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--ray-batches", type=int, nargs="*", default=[1, 8])
+    p.add_argument("--ray-mode", default="ngram", choices=MODES[:2])
+    p.add_argument("--ray-workload", default="copy")
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--no-plots", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from pipeline.config import load_config, resolve_source
+    from pipeline.params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    overrides: dict[str, Any] = {"torch_threads": args.threads,
+                                 "num_slots": max(args.batches + args.ray_batches),
+                                 "max_model_len": 1024}
+    if args.model:
+        overrides["model"] = args.model
+    config = load_config(args.config, overrides)
+    params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=0 if args.temperature > 0 else None)
+    t_start = time.perf_counter()
+    bench = LocalBench(config, args)
+    tok = bench.tokenizer
+    workloads = {w: [Request(p.id, encode_prompt(tok, p.text)) for p in load_workload(w)]
+                 for w in args.workloads}
+
+    def requests_for(w: str, batch: int) -> list[Request]:
+        n = args.requests_b1 if batch == 1 else batch
+        reqs = workloads[w]
+        return [Request(f"{reqs[i % len(reqs)].rid}#{i}", reqs[i % len(reqs)].ids)
+                for i in range(n)]
+
+    warm = [Request("warm", workloads[args.workloads[0]][0].ids)]
+    warm_params = dataclasses.replace(params, max_new_tokens=4)
+    for mode in args.modes:
+        bench.run(mode, "warmup", 1, warm, warm_params)
+    results: list[RunResult] = []
+    hf_model = None
+    model_path = None if config.model.startswith("tiny") else resolve_source(config.model)
+    for w in args.workloads:
+        for batch in args.batches:
+            if batch > 8 and w not in args.big_batch_workloads:
+                continue
+            reqs = requests_for(w, batch)
+            for mode in args.modes:  # modes interleaved: machine noise hits each alike
+                res = bench.run(mode, w, batch, reqs, params)
+                results.append(res)
+                print(f"[{time.perf_counter() - t_start:6.0f}s] local {mode:5s} {w:5s} "
+                      f"b={batch:2d}: {res.tokens_per_s:7.1f} tok/s, acc.len "
+                      f"{res.mean_accepted_len or 0:.2f}, step {res.breakdown_ms['step']:.0f} "
+                      f"ms, outside fwd {res.outside_forward_frac:.0%}", flush=True)
+            if batch == 1 and not args.no_hf and model_path is not None:
+                if hf_model is None:
+                    hf_model = load_hf(model_path)
+                    run_hf(model_path, "warmup", warm, 4, args.k, [2], hf_model)
+                from pipeline.tokenizer import eos_token_ids
+
+                for res in run_hf(model_path, w, reqs, args.max_tokens, args.k,
+                                  eos_token_ids(tok), hf_model):
+                    results.append(res)
+                    print(f"[{time.perf_counter() - t_start:6.0f}s] hf    {res.mode:6s} {w:5s} "
+                          f"b= 1: {res.tokens_per_s:7.1f} tok/s", flush=True)
+    if args.ray_batches and args.ray_workload in workloads:
+        reqs = {b: requests_for(args.ray_workload, b) for b in args.ray_batches}
+        for b in args.ray_batches:
+            res = run_ray(config, args.ray_mode, args.ray_workload, [b], reqs[b], params,
+                          args.k)[0]
+            results.append(res)
+            print(f"[{time.perf_counter() - t_start:6.0f}s] ray   {args.ray_mode:5s} "
+                  f"{args.ray_workload:5s} b={b:2d}: {res.tokens_per_s:7.1f} tok/s, step "
+                  f"{res.breakdown_ms['step']:.0f} ms", flush=True)
+    diff = first_difference(results) if args.temperature == 0 else None
+    report = {
+        "meta": meta(args, config, time.perf_counter() - t_start),
+        "targets": targets(results),
+        "hf_agreement": hf_agreement(results),
+        "identical_greedy_outputs": diff is None if args.temperature == 0 else None,
+        "first_difference": diff,
+        "runs": [dataclasses.asdict(r) for r in results],
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(table(results))
+    print(json.dumps(report["targets"], indent=1))
+    if not args.no_plots:
+        try:
+            from scripts.plots import write_plots
+        except ImportError:  # run as a file: scripts/ itself is on sys.path
+            from plots import write_plots  # type: ignore[no-redef]
+
+        for path in write_plots(report, args.out):
+            print(f"wrote {path}")
+    if diff is not None:
+        print(f"greedy outputs differ: {diff}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def meta(args: argparse.Namespace, config: Any, elapsed: float) -> dict[str, Any]:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"args": vars(args), "model": config.model, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(), "platform": platform.platform(), "commit": commit,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "elapsed_s": elapsed}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
