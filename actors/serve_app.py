@@ -70,6 +70,7 @@ class SpecrelayServer:
         from pipeline.config import load_config
         from pipeline.runners import load_engine_tokenizer
 
+        loopback_replica_grpc()
         config = load_config(resolve_config_path(config_path), overrides)
         # start_engine and tokenizer loading block (model loads): keep the replica's loop free.
         self.engine = await asyncio.to_thread(start_engine, config)
@@ -166,6 +167,11 @@ def serve_main(argv: list[str]) -> int:
         init.update(num_cpus=args.num_cpus, include_dashboard=False)
         loopback_ray()
     ray.init(**init)
+    # After ray.init (its failure-signal handler would otherwise end the process on SIGTERM)
+    # and before the app starts: a SIGTERM while deploying still drains and shuts down.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     app_args: dict[str, Any] = {
         "config": os.path.abspath(args.config) if args.config else None,
         "request_timeout_s": args.request_timeout, "max_body_bytes": args.max_body_bytes,
@@ -179,9 +185,6 @@ def serve_main(argv: list[str]) -> int:
     print(f"specrelay: serving on http://{args.host}:{args.port}/v1 "
           f"(health: /health, metrics: /metrics){' with an API key' if args.api_key else ''}",
           flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     drain_app(args.drain_grace)
     serve.shutdown()
@@ -200,6 +203,30 @@ def loopback_ray() -> None:
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def loopback_replica_grpc() -> None:
+    """Ray Serve 2.60 replicas open their inter-deployment gRPC server on [::]:0 (every
+    interface) whatever the node's address. On a loopback-only node (a local `specrelay serve`,
+    see loopback_ray) peers reach it at 127.0.0.1, so bind it there like the rest of Ray.
+    Call in the replica before Serve finishes initializing it; a no-op on cluster nodes.
+    tests/test_security_serve.py scans the sockets, so a Ray upgrade that moves this shows."""
+    import ray
+    from ray.serve._private import replica
+
+    if ray.util.get_node_ip_address() not in ("127.0.0.1", "::1"):
+        return
+    bind = getattr(replica, "add_port_to_grpc_server", None)
+    if bind is None or getattr(bind, "loopback_only", False):
+        return
+
+    def bind_loopback(server: Any, address: str) -> int:
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address[len("[::]:"):]
+        return bind(server, address)
+
+    bind_loopback.loopback_only = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = bind_loopback
 
 
 def drain_app(grace_s: float) -> None:
