@@ -19,12 +19,17 @@ CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 
 @pytest.fixture(scope="module")
 def engines():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: oversubscribing a shared CPU costs more than it gives
     none = build_local_engine(load_config("configs/smollm2-cpu.yaml", {
         "draft": "none", "num_slots": 8, "max_model_len": 256}))
     runner = none.stages.verifier.runner
     ngram = build_local_engine(load_config("configs/smollm2-cpu.yaml", {
         "num_slots": 8, "max_model_len": 256}), runner)
-    return none, ngram, runner
+    yield none, ngram, runner
+    torch.set_num_threads(threads)
 
 
 def prompt(tokenizer, i: int) -> list[int]:
