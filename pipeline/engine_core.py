@@ -275,7 +275,10 @@ class EngineCore:
     async def stats_dict(self) -> dict[str, Any]:
         s = self.stats
         if self.dead_reason is None:  # a dead stage cannot answer: keep the last count
-            self._dropped = await self.stages.dropped_steps()
+            try:
+                self._dropped = await self.stages.dropped_steps()
+            except Exception:  # noqa: BLE001 - a stage died unnoticed: health() will notice
+                pass
         dropped = self._dropped
         return {
             "num_slots": self.scheduler.num_slots,
