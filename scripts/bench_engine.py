@@ -141,7 +141,11 @@ class RunResult:
     mean_accepted_len: float | None = None  # tokens per verify (accepted drafts + 1)
     acceptance_rate: float | None = None  # accepted drafts / drafted tokens
     histogram: list[int] = field(default_factory=list)  # verifies by accepted drafts
+    cpu_s: float = 0.0
+    tokens_per_cpu_s: float = 0.0
+    wave_tokens_per_s: list[float] = field(default_factory=list)  # spread across waves
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per step
+    ray_vs_local: dict[str, float] = field(default_factory=dict)  # ray runs: local, interleaved
     outside_forward_frac: float | None = None  # step time not in a model forward
     outputs: dict[str, list[int]] = field(default_factory=dict)
 
@@ -171,7 +175,7 @@ def latency_stats(traces: list[Trace]) -> dict[str, float | None]:
     ttft = [(t.times[0] - t.submitted) * 1e3 for t in traces if t.times]
     gaps = [(b - a) * 1e3 for t in traces for a, b in zip(t.times, t.times[1:])]
     tpot = [(t.times[-1] - t.times[0]) * 1e3 / (len(t.token_ids) - 1)
-            for t in traces if len(t.token_ids) > 1]
+            for t in traces if len(t.token_ids) > 1 and t.times]
     return {"ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "itl_p50_ms": percentile(gaps, 50), "itl_p99_ms": percentile(gaps, 99),
             "tpot_ms": sum(tpot) / len(tpot) if tpot else None}
@@ -202,21 +206,27 @@ def waves(requests: list[Request], batch: int) -> list[list[Request]]:
     return [requests[i:i + batch] for i in range(0, len(requests), batch)]
 
 
-async def run_local_waves(core: Any, requests: list[Request], batch: int,
-                          params: Any) -> tuple[list[Trace], float]:
+async def run_local_wave(core: Any, wave: list[Request], params: Any) -> list[Trace]:
     core.start()
-    traces: list[Trace] = []
-    t0 = time.perf_counter()
-    for wave in waves(requests, batch):
-        traces += await asyncio.gather(*(stream_one(
-            lambda r=r: core.add_request(r.rid, r.ids, params), r.rid) for r in wave))
-    wall = time.perf_counter() - t0
-    # Let the release-only plan free the slots before the next run reuses the runner.
+    traces = await asyncio.gather(*(stream_one(
+        lambda r=r: core.add_request(r.rid, r.ids, params), r.rid) for r in wave))
+    # Let the release-only plan free the slots before the next wave reuses the runner.
     for _ in range(1000):
         if not core.scheduler.has_work:
             break
         await asyncio.sleep(0)
-    return traces, wall
+    return list(traces)
+
+
+@dataclass
+class Segment:
+    """One wave of one mode: what it produced and what it cost."""
+
+    traces: list[Trace]
+    wall: float
+    cpu: float  # this process's CPU seconds (steadier than wall on a shared machine)
+    spec: dict[str, Any] | None = None
+    times: StageTimes | None = None
 
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -235,19 +245,37 @@ def snapshot(stats: Any) -> dict[str, Any]:
             "histogram": list(stats.histogram)}
 
 
-def make_result(engine: str, mode: str, workload: str, batch: int, traces: list[Trace],
-                wall: float, spec: dict[str, Any] | None) -> RunResult:
+def merge(engine: str, mode: str, workload: str, batch: int,
+          segs: list[Segment]) -> RunResult:
+    """One RunResult from a mode's waves (interleaved with the other modes' waves)."""
+    traces = [t for s in segs for t in s.traces]
+    wall, cpu = sum(s.wall for s in segs), sum(s.cpu for s in segs)
     tokens = sum(len(t.token_ids) for t in traces)
     res = RunResult(engine, mode, workload, batch, len(traces), tokens, wall, tokens / wall,
-                    len(traces) / wall, **latency_stats(traces),
-                    outputs={t.rid: t.token_ids for t in traces})
-    if spec is not None:
+                    len(traces) / wall, cpu_s=cpu, tokens_per_cpu_s=tokens / max(cpu, 1e-9),
+                    wave_tokens_per_s=[sum(len(t.token_ids) for t in s.traces) / s.wall
+                                       for s in segs],
+                    **latency_stats(traces), outputs={t.rid: t.token_ids for t in traces})
+    specs = [s.spec for s in segs if s.spec is not None]
+    if specs:
+        spec = {k: sum(x[k] for x in specs) for k in ("steps", "verifies", "accepted_tokens",
+                                                        "drafted_tokens")}
+        width = max(len(x["histogram"]) for x in specs)
+        spec["histogram"] = [sum(x["histogram"][i] for x in specs if i < len(x["histogram"]))
+                             for i in range(width)]
         res.steps = spec["steps"]
         res.histogram = spec["histogram"]
         if spec["verifies"]:
             res.mean_accepted_len = spec["accepted_tokens"] / spec["verifies"] + 1
         if spec["drafted_tokens"]:
             res.acceptance_rate = spec["accepted_tokens"] / spec["drafted_tokens"]
+    times = [s.times for s in segs if s.times is not None]
+    if times:
+        total = StageTimes()
+        for t in times:
+            for f in dataclasses.fields(StageTimes):
+                setattr(total, f.name, getattr(total, f.name) + getattr(t, f.name))
+        add_breakdown(res, total)
     return res
 
 
@@ -347,22 +375,22 @@ class LocalBench:
         stages = timed_stages(self.clock, proposer, Verifier(self.target), output)
         return EngineCore(cfg, stages, self.target.vocab_size)
 
-    def run(self, mode: str, workload: str, batch: int, requests: list[Request],
-            params: Any) -> RunResult:
+    def run_wave(self, mode: str, wave: list[Request], params: Any) -> Segment:
         core = self.core(mode)
         before = snapshot(core.stats)
         self.clock.times = StageTimes()
-        traces, wall = asyncio.run(run_local_waves(core, requests, batch, params))
-        times = self.clock.times
-        res = make_result("local", mode, workload, batch, traces, wall,
-                          stats_delta(before, snapshot(core.stats)))
-        add_breakdown(res, times)
-        return res
+        t0, c0 = time.perf_counter(), time.process_time()
+        traces = asyncio.run(run_local_wave(core, wave, params))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return Segment(traces, wall, cpu, stats_delta(before, snapshot(core.stats)),
+                       self.clock.times)
 
 
-def run_ray(config: Any, mode: str, workload: str, batches: list[int],
-            requests: list[Request], params: Any, k: int) -> list[RunResult]:
-    """The same runs through `start_engine` (one engine for all batch sizes)."""
+def run_ray(bench: LocalBench, config: Any, mode: str, workload: str, batches: list[int],
+            requests_for: Callable[[str, int], list[Request]], params: Any,
+            k: int) -> list[RunResult]:
+    """The same runs through `start_engine` (one engine for all batch sizes), each wave
+    interleaved with the in-process engine's run of the same wave for a fair ratio."""
     import ray
 
     from actors.engine import start_engine, stop_engine
@@ -376,26 +404,33 @@ def run_ray(config: Any, mode: str, workload: str, batches: list[int],
     handle = start_engine(cfg)
     client = EngineClient(handle)
     results = []
-    try:
-        async def go(batch: int) -> tuple[list[Trace], float]:
-            traces: list[Trace] = []
-            t0 = time.perf_counter()
-            for wave in waves(requests, batch):
-                traces += await asyncio.gather(*(stream_one(
-                    lambda r=r: client.generate(f"ray-{batch}-{r.rid}", r.ids, params), r.rid)
-                    for r in wave))
-            return traces, time.perf_counter() - t0
 
-        asyncio.run(go(1))  # warm-up (actor start, first forwards)
+    async def go(tag: str, wave: list[Request]) -> list[Trace]:
+        traces = await asyncio.gather(*(stream_one(
+            lambda r=r: client.generate(f"{tag}-{r.rid}", r.ids, params), r.rid)
+            for r in wave))
+        return list(traces)
+
+    try:
+        asyncio.run(go("warm", requests_for(workload, 1)[:1]))  # first forwards, actor paths
         for batch in batches:
-            before = snapshot(ray.get(handle.stats.remote()))
-            traces, wall = asyncio.run(go(batch))
-            after = snapshot(ray.get(handle.stats.remote()))
-            for t in traces:
-                t.rid = t.rid.removeprefix(f"ray-{batch}-")
-            res = make_result("ray", mode, workload, batch, traces, wall,
-                              stats_delta(before, after))
-            res.breakdown_ms = {"step": wall * 1e3 / max(res.steps, 1)}
+            ray_segs, local_segs = [], []
+            for i, wave in enumerate(waves(requests_for(workload, batch), batch)):
+                local_segs.append(bench.run_wave(mode, wave, params))
+                before = snapshot(ray.get(handle.stats.remote()))
+                t0 = time.perf_counter()
+                traces = asyncio.run(go(f"ray{batch}.{i}", wave))
+                wall = time.perf_counter() - t0
+                spec = stats_delta(before, snapshot(ray.get(handle.stats.remote())))
+                ray_segs.append(Segment(traces, wall, 0.0, spec))
+            res = merge("ray", mode, workload, batch, ray_segs)
+            local = merge("local", mode, workload, batch, local_segs)
+            res.tokens_per_cpu_s = 0.0  # the work runs in the actors' processes
+            res.breakdown_ms = {"step": res.wall_s * 1e3 / max(res.steps, 1)}
+            res.ray_vs_local = {"local_tokens_per_s": local.tokens_per_s,
+                                "local_step_ms": local.breakdown_ms["step"],
+                                "ray_overhead_ms_per_step":
+                                    res.breakdown_ms["step"] - local.breakdown_ms["step"]}
             results.append(res)
     finally:
         stop_engine(handle)
@@ -404,27 +439,21 @@ def run_ray(config: Any, mode: str, workload: str, batches: list[int],
     return results
 
 
-def run_hf(model_path: str, workload: str, requests: list[Request], max_tokens: int, k: int,
-           eos: list[int], hf: Any) -> list[RunResult]:
-    """HF `generate` at batch 1, plain and with prompt lookup (`prompt_lookup_num_tokens`)."""
+def hf_wave(hf: Any, mode: str, wave: list[Request], max_tokens: int, k: int,
+            eos: list[int]) -> Segment:
+    """HF `generate`, batch 1: plain (`hf`) or with prompt lookup (`hf-pld`)."""
     import torch
 
-    results = []
-    for mode, extra in (("hf", {}), ("hf-pld", {"prompt_lookup_num_tokens": k})):
-        traces = []
-        t0 = time.perf_counter()
-        for r in requests:
-            ids = torch.tensor([r.ids])
-            t1 = time.perf_counter()
-            with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids),
-                                  max_new_tokens=max_tokens, do_sample=False,
-                                  pad_token_id=eos[0], eos_token_id=eos, **extra)
-            new = out[0, len(r.ids):].tolist()
-            traces.append(Trace(r.rid, t1, [], [], new))
-        results.append(make_result("hf", mode, workload, 1, traces,
-                                   time.perf_counter() - t0, None))
-    return results
+    extra = {"prompt_lookup_num_tokens": k} if mode == "hf-pld" else {}
+    traces = []
+    t0, c0 = time.perf_counter(), time.process_time()
+    for r in wave:
+        ids = torch.tensor([r.ids])
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                              do_sample=False, pad_token_id=eos[0], eos_token_id=eos, **extra)
+        traces.append(Trace(r.rid, t0, [], [], out[0, len(r.ids):].tolist()))
+    return Segment(traces, time.perf_counter() - t0, time.process_time() - c0)
 
 
 def load_hf(model_path: str) -> Any:
@@ -477,29 +506,34 @@ def hf_agreement(results: list[RunResult]) -> dict[str, float]:
 
 
 def targets(results: list[RunResult]) -> dict[str, Any]:
-    def tps(engine: str, mode: str, workload: str, batch: int) -> float | None:
-        r = next((r for r in results if (r.engine, r.mode, r.workload, r.batch)
-                  == (engine, mode, workload, batch)), None)
-        return r.tokens_per_s if r else None
+    """The issue's four targets as ratios, on wall time and on this process's CPU time."""
 
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a and b else None
+    def get(engine: str, mode: str, workload: str, batch: int) -> RunResult | None:
+        return next((r for r in results if (r.engine, r.mode, r.workload, r.batch)
+                     == (engine, mode, workload, batch)), None)
 
-    out: dict[str, Any] = {}
-    out["ngram_b1_copy_vs_none"] = ratio(tps("local", "ngram", "copy", 1),
-                                         tps("local", "none", "copy", 1))
-    workloads = sorted({r.workload for r in results})
-    out["none_b1_vs_hf"] = {w: ratio(tps("local", "none", w, 1), tps("hf", "hf", w, 1))
-                            for w in workloads}
-    out["b8_vs_b1"] = {f"{m}/{w}": ratio(tps("local", m, w, 8), tps("local", m, w, 1))
-                       for m in MODES for w in workloads if tps("local", m, w, 8)}
-    out["outside_forward_b8"] = {f"{r.mode}/{r.workload}": r.outside_forward_frac
-                                 for r in results if r.engine == "local" and r.batch == 8}
-    return out
+    def ratio(a: RunResult | None, b: RunResult | None) -> dict[str, float] | None:
+        if a is None or b is None:
+            return None
+        return {"wall": a.tokens_per_s / b.tokens_per_s,
+                "cpu": a.tokens_per_cpu_s / max(b.tokens_per_cpu_s, 1e-9)}
+
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    return {
+        "ngram_b1_copy_vs_none (>= 1.8)": ratio(get("local", "ngram", "copy", 1),
+                                                get("local", "none", "copy", 1)),
+        "none_b1_vs_hf (>= 1)": {w: ratio(get("local", "none", w, 1), get("hf", "hf", w, 1))
+                                 for w in workloads},
+        "b8_vs_b1 (>= 4)": {f"{m}/{w}": ratio(get("local", m, w, 8), get("local", m, w, 1))
+                            for m in MODES for w in workloads if get("local", m, w, 8)},
+        "outside_forward_b8 (<= 0.15)": {f"{r.mode}/{r.workload}": r.outside_forward_frac
+                                         for r in results
+                                         if r.engine == "local" and r.batch == 8},
+    }
 
 
 def table(results: list[RunResult]) -> str:
-    head = ("| engine | mode | workload | batch | tok/s | req/s | TTFT p50/p99 ms | "
+    head = ("| engine | mode | workload | batch | tok/s | tok/cpu-s | req/s | TTFT p50/p99 ms | "
             "ITL p50/p99 ms | acc. len | acc. rate | step ms | outside fwd |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
 
@@ -509,6 +543,7 @@ def table(results: list[RunResult]) -> str:
     for r in results:
         lines.append(
             f"| {r.engine} | {r.mode} | {r.workload} | {r.batch} | {r.tokens_per_s:.1f} | "
+            f"{f(r.tokens_per_cpu_s or None)} | "
             f"{r.requests_per_s:.2f} | {f(r.ttft_p50_ms, '{:.0f}')}/{f(r.ttft_p99_ms, '{:.0f}')}"
             f" | {f(r.itl_p50_ms, '{:.0f}')}/{f(r.itl_p99_ms, '{:.0f}')} | "
             f"{f(r.mean_accepted_len, '{:.2f}')} | {f(r.acceptance_rate, '{:.2f}')} | "
@@ -549,8 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from pipeline.config import load_config, resolve_source
+    from pipeline.config import is_tiny, load_config, resolve_source
     from pipeline.params import SamplingParams
+    from pipeline.tokenizer import eos_token_ids
 
     torch.set_num_threads(args.threads)
     overrides: dict[str, Any] = {"torch_threads": args.threads,
@@ -576,42 +612,45 @@ def main(argv: list[str] | None = None) -> int:
     warm = [Request("warm", workloads[args.workloads[0]][0].ids)]
     warm_params = dataclasses.replace(params, max_new_tokens=4)
     for mode in args.modes:
-        bench.run(mode, "warmup", 1, warm, warm_params)
-    results: list[RunResult] = []
+        bench.run_wave(mode, warm, warm_params)
+    model_path = None if is_tiny(config.model) else resolve_source(config.model)
     hf_model = None
-    model_path = None if config.model.startswith("tiny") else resolve_source(config.model)
+    if not args.no_hf and model_path is not None and 1 in args.batches:
+        hf_model = load_hf(model_path)
+        hf_wave(hf_model, "hf", warm, 4, args.k, [0])
+    eos = eos_token_ids(tok)
+    results: list[RunResult] = []
     for w in args.workloads:
         for batch in args.batches:
             if batch > 8 and w not in args.big_batch_workloads:
                 continue
-            reqs = requests_for(w, batch)
-            for mode in args.modes:  # modes interleaved: machine noise hits each alike
-                res = bench.run(mode, w, batch, reqs, params)
+            modes: list[tuple[str, str]] = [("local", m) for m in args.modes]
+            if batch == 1 and hf_model is not None:
+                modes += [("hf", "hf"), ("hf", "hf-pld")]
+            segs: dict[tuple[str, str], list[Segment]] = {m: [] for m in modes}
+            # Waves interleaved across modes: machine noise hits every mode alike.
+            for wave in waves(requests_for(w, batch), batch):
+                for engine, mode in modes:
+                    segs[(engine, mode)].append(
+                        bench.run_wave(mode, wave, params) if engine == "local"
+                        else hf_wave(hf_model, mode, wave, args.max_tokens, args.k, eos))
+            for (engine, mode), ss in segs.items():
+                res = merge(engine, mode, w, batch, ss)
                 results.append(res)
-                print(f"[{time.perf_counter() - t_start:6.0f}s] local {mode:5s} {w:5s} "
-                      f"b={batch:2d}: {res.tokens_per_s:7.1f} tok/s, acc.len "
-                      f"{res.mean_accepted_len or 0:.2f}, step {res.breakdown_ms['step']:.0f} "
-                      f"ms, outside fwd {res.outside_forward_frac:.0%}", flush=True)
-            if batch == 1 and not args.no_hf and model_path is not None:
-                if hf_model is None:
-                    hf_model = load_hf(model_path)
-                    run_hf(model_path, "warmup", warm, 4, args.k, [2], hf_model)
-                from pipeline.tokenizer import eos_token_ids
-
-                for res in run_hf(model_path, w, reqs, args.max_tokens, args.k,
-                                  eos_token_ids(tok), hf_model):
-                    results.append(res)
-                    print(f"[{time.perf_counter() - t_start:6.0f}s] hf    {res.mode:6s} {w:5s} "
-                          f"b= 1: {res.tokens_per_s:7.1f} tok/s", flush=True)
+                print(f"[{time.perf_counter() - t_start:6.0f}s] {engine:5s} {mode:6s} {w:5s} "
+                      f"b={batch:2d}: {res.tokens_per_s:7.1f} tok/s "
+                      f"({res.tokens_per_cpu_s:6.1f}/cpu-s), acc.len "
+                      f"{res.mean_accepted_len or 0:.2f}, step "
+                      f"{res.breakdown_ms.get('step', 0):.0f} ms, outside fwd "
+                      f"{res.outside_forward_frac or 0:.0%}", flush=True)
     if args.ray_batches and args.ray_workload in workloads:
-        reqs = {b: requests_for(args.ray_workload, b) for b in args.ray_batches}
-        for b in args.ray_batches:
-            res = run_ray(config, args.ray_mode, args.ray_workload, [b], reqs[b], params,
-                          args.k)[0]
+        for res in run_ray(bench, config, args.ray_mode, args.ray_workload, args.ray_batches,
+                           requests_for, params, args.k):
             results.append(res)
             print(f"[{time.perf_counter() - t_start:6.0f}s] ray   {args.ray_mode:5s} "
-                  f"{args.ray_workload:5s} b={b:2d}: {res.tokens_per_s:7.1f} tok/s, step "
-                  f"{res.breakdown_ms['step']:.0f} ms", flush=True)
+                  f"{args.ray_workload:5s} b={res.batch:2d}: {res.tokens_per_s:7.1f} tok/s, "
+                  f"step {res.breakdown_ms['step']:.0f} ms vs local "
+                  f"{res.ray_vs_local['local_step_ms']:.0f} ms", flush=True)
     diff = first_difference(results) if args.temperature == 0 else None
     report = {
         "meta": meta(args, config, time.perf_counter() - t_start),
