@@ -21,6 +21,7 @@ from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.params import SamplingParams
 from pipeline.request_output import RequestOutput
 from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
+from pipeline.tracing import context_from_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +130,10 @@ class Engine:
         self._rebuilding: asyncio.Task | None = None
 
     async def start(self) -> dict[str, Any]:
-        if self.config.tracing:
-            from pipeline.tracing import get_tracer, setup_tracing
+        from pipeline.tracing import get_tracer, setup_tracing
 
-            setup_tracing("specrelay-engine", self.config.tracing)
-            self.tracer = get_tracer()
+        setup_tracing("specrelay-engine", self.config.tracing)  # config, else OTEL_* environment
+        self.tracer = get_tracer()
         await self._build()
         return await self.model_info()
 
@@ -164,20 +164,25 @@ class Engine:
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                        traceparent: str | None = None) -> AsyncIterator[RequestOutput]:
         core = self._core()
-        try:
-            stream = await core.add_request(rid, list(prompt_ids), params, traceparent)
-        except (ValueError, EngineOverloadedError, EngineDeadError):
-            raise  # refused (a refusal from the output actor arrives as a ValueError too)
-        except Exception as e:  # noqa: BLE001 - the output actor is gone: fail and rebuild
-            core.fail(EngineDeadError(f"output stage unavailable: {e}"))
-            raise EngineDeadError(f"output stage unavailable: {e}") from None
+        # The engine's part of the request's trace (a sibling of the output actor's spec.request).
+        span = self.tracer.start_span("spec.engine.request", context=context_from_traceparent(
+            traceparent), attributes={"request.id": rid, "request.prompt_tokens": len(prompt_ids)})
         finished = False
+        stream = None
         try:
+            try:
+                stream = await core.add_request(rid, list(prompt_ids), params, traceparent)
+            except (ValueError, EngineOverloadedError, EngineDeadError):
+                raise  # refused (a refusal from the output actor arrives as a ValueError too)
+            except Exception as e:  # noqa: BLE001 - the output actor is gone: fail and rebuild
+                core.fail(EngineDeadError(f"output stage unavailable: {e}"))
+                raise EngineDeadError(f"output stage unavailable: {e}") from None
             async for delta in stream:
                 finished = delta.finished
                 yield delta
         finally:
-            if not finished:  # the caller went away: free the request's slots
+            span.end()
+            if stream is not None and not finished:  # the caller went away: free its slots
                 asyncio.ensure_future(core.abort(rid))
 
     async def abort(self, rid: str) -> None:

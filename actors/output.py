@@ -14,8 +14,7 @@ class OutputActor:
         from pipeline.runners import load_engine_tokenizer
         from pipeline.tracing import setup_tracing
 
-        if config.tracing:
-            setup_tracing("specrelay-output", config.tracing)
+        setup_tracing("specrelay-output", config.tracing)  # config, else the OTEL_* environment
         from pipeline.tokenizer import eos_token_ids
 
         tokenizer = load_engine_tokenizer(config)

@@ -69,9 +69,11 @@ class SpecrelayServer:
         from actors.engine import start_engine
         from pipeline.config import load_config
         from pipeline.runners import load_engine_tokenizer
+        from pipeline.tracing import setup_tracing
 
         loopback_replica_grpc()
         config = load_config(resolve_config_path(config_path), overrides)
+        setup_tracing("specrelay-frontend", config.tracing, register_global=False)
         # start_engine and tokenizer loading block (model loads): keep the replica's loop free.
         self.engine = await asyncio.to_thread(start_engine, config)
         tokenizer = await asyncio.to_thread(load_engine_tokenizer, config)

@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.engine_client import fire_and_forget
@@ -30,6 +31,7 @@ from pipeline.errors import EngineDeadError, EngineOverloadedError, RequestTimeo
 from pipeline.metrics import CONTENT_TYPE, ServerMetrics
 from pipeline.params import SamplingParams
 from pipeline.request_output import RequestOutput
+from pipeline.tracing import context_from_traceparent, get_tracer, traceparent_of
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "SPECRELAY_API_KEY"
@@ -102,12 +104,13 @@ class _Run:
     """The engine requests of one HTTP request (one per choice), merged into one event queue.
     Counted in `inflight` (a one-element list) from creation until `close`."""
 
-    def __init__(self, engine: Any, traceparent: str | None, inflight: list[int]) -> None:
+    def __init__(self, engine: Any, span: Any, inflight: list[int]) -> None:
         self.engine = engine
         self.inflight = inflight
         inflight[0] += 1
         self.closed = False
-        self.traceparent = traceparent
+        self.span = span  # the HTTP server span, ended on close; parent of the engine's spans
+        self.traceparent = traceparent_of(span)
         self.queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = (
             asyncio.Queue())
         self.tasks: list[asyncio.Task] = []
@@ -166,6 +169,8 @@ class _Run:
         if not self.closed:
             self.closed = True
             self.inflight[0] -= 1
+            if self.span is not None:
+                self.span.end()
         for task in self.tasks:
             task.cancel()
         for i, rid in enumerate(self.rids):
@@ -247,7 +252,11 @@ class _Server:
         t0 = time.monotonic()
         deadline = None if not self.settings.request_timeout_s else (
             t0 + self.settings.request_timeout_s)
-        run = _Run(self.engine, request.headers.get("traceparent"), self.inflight)
+        span = get_tracer().start_span(
+            f"{request.method} {request.url.path}", kind=SpanKind.SERVER,
+            context=context_from_traceparent(request.headers.get("traceparent")),
+            attributes={"http.request.method": request.method, "url.path": request.url.path})
+        run = _Run(self.engine, span, self.inflight)
         for i, (_, ids, params) in enumerate(jobs):
             run.start(f"{rid}-{i}", ids, params)
         run.watch_disconnect(request.receive)

@@ -183,11 +183,15 @@ def make_provider(cfg: TracingConfig, exporter: SpanExporter | None = None) -> T
     return provider
 
 
-def setup_tracing(service_name: str, config: Mapping[str, Any] | None = None) -> TracerProvider:
+def setup_tracing(
+    service_name: str, config: Mapping[str, Any] | None = None, register_global: bool = True
+) -> TracerProvider:
     """Install this process's provider once; later calls return it unchanged.
 
-    Also registers it as OpenTelemetry's global provider (when none was registered yet) so library
-    instrumentation in the same process (e.g. the HTTP server) joins the same traces.
+    With `register_global`, also registers it as OpenTelemetry's global provider (when none was
+    registered yet) so library instrumentation in the same process joins the same traces. The
+    HTTP front end passes False: Ray Serve instruments its replicas with the global provider, and
+    its own server span would then stand beside ours as a second "HTTP server span".
     """
     global _installed
     cfg = resolve_config(service_name, config)
@@ -195,11 +199,13 @@ def setup_tracing(service_name: str, config: Mapping[str, Any] | None = None) ->
         if _installed.config != cfg:
             _log.debug("setup_tracing: already set up as %s; ignoring %s", _installed.config, cfg)
         return _installed.provider
-    if cfg.disabled:  # record nothing, not even children of sampled remote parents
+    if cfg.disabled or cfg.exporter == "none":
+        # Record nothing, not even children of sampled remote parents: with nowhere to send spans,
+        # building them would only cost time on the output path.
         provider = TracerProvider(sampler=ALWAYS_OFF)
     else:
         provider = make_provider(cfg)
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+    if register_global and not isinstance(trace.get_tracer_provider(), TracerProvider):
         trace.set_tracer_provider(provider)
     _installed = _Installed(cfg, provider)
     return provider
