@@ -77,20 +77,17 @@ def acceptance(runs: list[dict[str, Any]], out_dir: str) -> str:
 def breakdown(runs: list[dict[str, Any]], out_dir: str) -> str:
     import matplotlib.pyplot as plt
 
-    local = [r for r in runs if r["engine"] == "local" and r["breakdown_ms"]]
-    workload = "mix" if any(r["workload"] == "mix" for r in local) else \
-        (local[0]["workload"] if local else "")
-    rows = [r for r in local if r["workload"] == workload]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    names = [f"{r['mode']} b{r['batch']}" for r in rows]
+    rows = [r for r in runs if r["engine"] == "local" and r["breakdown_ms"]]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(rows) + 2), 4.2))
+    names = [f"{r['workload']} {r['mode']} b{r['batch']}" for r in rows]
     bottom = [0.0] * len(rows)
     for part in BREAKDOWN:
         vals = [r["breakdown_ms"].get(part, 0.0) for r in rows]
         ax.bar(names, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("ms per engine step")
-    ax.set_title(f"step time breakdown ({workload}, in-process)")
-    ax.tick_params(axis="x", labelrotation=45)
+    ax.set_title("step time breakdown (in-process engine)")
+    ax.tick_params(axis="x", labelrotation=60, labelsize=7)
     ax.legend(fontsize=7)
     return _save(fig, out_dir, "breakdown.png")
 
