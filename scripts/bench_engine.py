@@ -39,7 +39,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `actors`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WORKLOAD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKLOAD_DIR = os.path.join(ROOT, "scripts", "workloads")
 MODES = ("none", "ngram", "model")
 
 
@@ -558,7 +559,7 @@ def table(results: list[RunResult]) -> str:
 # --- main ---------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specrelay bench", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/smollm2-cpu.yaml")
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "smollm2-cpu.yaml"))
     p.add_argument("--model", default=None, help="override the config's model (e.g. tiny:0)")
     p.add_argument("--plan", nargs="+", default=["copy:1,8", "chat:1,8", "mix:8,32"],
                    help="workload:batch,batch... (a file in scripts/workloads or a .jsonl)")
