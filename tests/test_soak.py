@@ -161,11 +161,13 @@ def test_soak_at_1_2x_capacity_keeps_every_invariant(base):
     assert max_waiting_seen[0] > 0, "the load never queued: not overloaded"
     assert health_ms and max(health_ms) < HEALTH_BOUND_MS, sorted(health_ms)[-5:]
 
-    # Server-side accounting agrees: 429s seen by clients = 429s the server counted.
+    # Server-side accounting agrees: every 429 a client saw was counted by the server; the
+    # server may have answered 429 to a client that had already given up (dropped).
     metrics_after = httpx.get(f"{base}/metrics", timeout=10).text
     key = 'specrelay_http_requests_total{route="/v1/completions",status="429"}'
     served_429 = metric_or_zero(metrics_after, key) - metric_or_zero(metrics_before, key)
-    assert served_429 == count["rejected"], (served_429, count)
+    assert count["rejected"] <= served_429 <= count["rejected"] + count["dropped"], (
+        served_429, count)
 
     stats = wait_slots_free(APP, NUM_SLOTS)
     assert stats["healthy"]
