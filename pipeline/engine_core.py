@@ -277,7 +277,7 @@ class EngineCore:
         if self.dead_reason is None:  # a dead stage cannot answer: keep the last count
             try:
                 self._dropped = await self.stages.dropped_steps()
-            except Exception:  # noqa: BLE001 - a stage died unnoticed: health() will notice
+            except Exception:  # noqa: BLE001, S110 - a stage died unnoticed: health() notices
                 pass
         dropped = self._dropped
         return {

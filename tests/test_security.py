@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
-import math
 import pathlib
 import time
 
