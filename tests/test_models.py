@@ -188,10 +188,11 @@ def test_equal_length_batched_prefill_equals_single():
         assert (o - _full_logits(p)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("use_slots", [[4, 0, 2], [0, 7, 3]])
+@pytest.mark.parametrize("use_slots", [[4, 0, 2], [0, 7, 3], [4, 2, 3], [3, 4, 2]])
 def test_batches_over_slots_with_holes_equal_single(use_slots):
     """[4, 0, 2]: spread over 5 slots, attended as one slice with padding rows;
-    [0, 7, 3]: spread over 8 > 2 * 3 slots, gathered."""
+    [0, 7, 3]: spread over 8 > 2 * 3 slots, gathered; [4, 2, 3] and [3, 4, 2]: a contiguous
+    range in another order (a freed slot reused), so runs must be scattered to their rows."""
     rng = random.Random(17)
     runner = _tiny_runner(num_slots=8)
     for _ in range(8):

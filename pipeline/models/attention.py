@@ -101,7 +101,9 @@ def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: li
         meta.slot_start = lo
     elif span <= 2 * b:
         meta.slot_start, meta.batch, row = lo, span, slots_t - lo
-    if meta.batch != b or not uniform:
+    if meta.batch != b or not uniform or not torch.equal(row, torch.arange(b)):
+        # Runs are not already rows 0..b-1 of the slice in order (padding, mixed lengths, or
+        # slots in another order): scatter each token to its slot's row.
         meta.pad_idx = (row[run] * t + within).to(device)
     rows = meta.batch
     if t == 1 and all(k == lk for k in k_lens):
