@@ -120,6 +120,11 @@ class EngineCore:
             await self.stages.add_request(NewRequest(rid, req.prompt_ids, req.params),
                                           traceparent)
             registered = True
+            if self._streams.get(rid) is not stream:
+                # Aborted while registering (a client gone that early): never queue it, and
+                # let the output stage forget it too. The stream already holds the abort delta.
+                await self.stages.abort(rid)
+                return stream
             was_idle = not self.scheduler.has_work
             self.scheduler.enqueue(req)  # the queue may have filled during the await
         except BaseException:
@@ -235,8 +240,10 @@ class EngineCore:
     async def _deliver(self, output: asyncio.Future) -> None:
         for delta in await output:
             stream = self._streams.get(delta.rid)
-            if stream is None:
-                continue  # aborted meanwhile: the abort delta already ended it
+            if stream is None:  # aborted meanwhile: the abort delta already ended it
+                if delta.finished:
+                    self.scheduler.finish(delta.rid)  # idempotent; never leave a slot behind
+                continue
             stream.put(delta)
             if delta.finished:
                 del self._streams[delta.rid]

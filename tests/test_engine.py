@@ -353,3 +353,36 @@ def test_request_refused_by_the_output_stage_fails_alone_before_queueing():
     deltas, health = asyncio.run(main())
     assert deltas[-1].finish_reason in ("length", "stop") and health["healthy"]
     assert not core.scheduler.waiting and core.scheduler.free_slots == 8
+
+
+def test_abort_while_the_output_stage_registers_never_queues_the_request():
+    """A client gone before its request was registered (found by the soak): the request must not
+    be queued afterwards, or it would run with no stream and hold its slot forever."""
+    core = build_local_engine(load_config(CONFIG))
+    stages = core.stages
+    register = stages.add_request
+    gate = asyncio.Event()
+
+    async def slow_register(req, traceparent):
+        await gate.wait()
+        await register(req, traceparent)
+
+    stages.add_request = slow_register
+
+    async def main():
+        core.start()
+        adding = asyncio.ensure_future(
+            core.add_request("gone", PROMPTS[0], SamplingParams(max_new_tokens=8)))
+        await asyncio.sleep(0)  # add_request is now waiting on the output stage
+        await core.abort("gone")
+        gate.set()
+        deltas = [d async for d in await adding]
+        stages.add_request = register
+        stream = await core.add_request("next", PROMPTS[1], SamplingParams(max_new_tokens=4))
+        return deltas, [d async for d in stream]
+
+    gone, after = asyncio.run(main())
+    assert [d.finish_reason for d in gone] == ["abort"]
+    assert after[-1].finished and sum(len(d.token_ids) for d in after) == 4
+    assert not core.scheduler.running and not core.scheduler.waiting
+    assert core.scheduler.free_slots == 8 and stages.output.num_requests == 0
