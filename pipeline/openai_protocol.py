@@ -521,23 +521,25 @@ def chat_response(rid: str, model: str, choices: list[ChoiceState], prompt_token
 def completion_chunk(rid: str, model: str, created: int, index: int, text: str,
                      logprobs: dict | None = None, finish_reason: str | None = None,
                      stop_reason: Any = None, spec_stats: dict | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
-                              "finish_reason": finish_reason, "stop_reason": stop_reason}
-    if spec_stats is not None:
-        choice["spec_stats"] = spec_stats
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+    return _chunk("text_completion", rid, model, created,
+                  {"index": index, "text": text}, logprobs, finish_reason, stop_reason, spec_stats)
 
 
 def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict[str, Any],
                logprobs: dict | None = None, finish_reason: str | None = None,
                stop_reason: Any = None, spec_stats: dict | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": finish_reason, "stop_reason": stop_reason}
+    return _chunk("chat.completion.chunk", rid, model, created,
+                  {"index": index, "delta": delta}, logprobs, finish_reason, stop_reason,
+                  spec_stats)
+
+
+def _chunk(obj: str, rid: str, model: str, created: int, choice: dict[str, Any],
+           logprobs: dict | None, finish_reason: str | None, stop_reason: Any,
+           spec_stats: dict | None) -> dict[str, Any]:
+    choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
     if spec_stats is not None:
         choice["spec_stats"] = spec_stats
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int,
