@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -57,3 +62,43 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+@dataclass
+class ServeProcess:
+    proc: subprocess.Popen
+    base: str
+    port: int
+    log_path: Path
+    rc: int | None = None  # exit status after the context ends (None: it had to be killed)
+
+
+@contextlib.contextmanager
+def serve_process(config_path: str, tmp: Path, env: dict[str, str], extra_args: list[str] = (),
+                  ready_timeout: float = 180, stop_timeout: float = 60) -> Iterator[ServeProcess]:
+    """`specrelay serve` in its own session on a free loopback port, as a user starts it; waits
+    until it says it serves. On exit: SIGTERM, wait, then kill whatever is left of the session."""
+    port = free_port()
+    env = {**os.environ, **env}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "actors.cli", "serve", "--config", str(config_path),
+           "--port", str(port), "--num-cpus", "4", *extra_args]
+    log_path = tmp / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    run = ServeProcess(proc, f"http://127.0.0.1:{port}", port, log_path)
+    try:
+        wait_healthy(run.base, timeout=ready_timeout)
+        deadline = time.monotonic() + 60
+        while f"serving on http://127.0.0.1:{port}/v1" not in log_path.read_text():
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        yield run
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            run.rc = proc.wait(timeout=stop_timeout)
+        with contextlib.suppress(ProcessLookupError):  # anything left of our own session
+            os.killpg(proc.pid, signal.SIGKILL)

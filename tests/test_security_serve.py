@@ -8,8 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +15,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from serve_helpers import ROOT, free_port, wait_healthy
+from serve_helpers import ROOT, serve_process
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 
@@ -47,30 +45,9 @@ def deployment(tmp_path_factory):
     config.update(max_model_len=1024, num_slots=4)
     config_path = tmp / "tiny-long.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    env = dict(os.environ, SPECRELAY_API_KEY=KEY)
-    env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "actors.cli", "serve", "--config", str(config_path),
-           "--port", str(port), "--num-cpus", "4", "--drain-grace", str(GRACE_S)]
-    log_path = tmp / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, timeout=180)
-        deadline = time.monotonic() + 60
-        while f"serving on http://127.0.0.1:{port}/v1" not in log_path.read_text():
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.2)
-        yield proc, base, port, log_path
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=GRACE_S + 30)
-        with contextlib.suppress(ProcessLookupError):  # anything left of our own session
-            os.killpg(proc.pid, signal.SIGKILL)
+    with serve_process(config_path, tmp, {"SPECRELAY_API_KEY": KEY},
+                       ["--drain-grace", str(GRACE_S)], stop_timeout=GRACE_S + 30) as run:
+        yield run.proc, run.base, run.port, run.log_path
 
 
 def test_every_listening_socket_of_the_deployment_is_on_loopback(deployment):
