@@ -23,7 +23,7 @@ from reliability_support import completion, deployment_rss, engine_stats, wait_s
 from serve_helpers import ROOT, metric, running_app
 
 SOAK_S = float(os.environ.get("SPECRELAY_SOAK_S", "60"))
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(int(SOAK_S) + 300)]
+pytestmark = [pytest.mark.ray, pytest.mark.soak, pytest.mark.timeout(int(SOAK_S) + 300)]
 
 APP = "specrelay-soak"
 NUM_SLOTS, MAX_WAITING = 4, 8
