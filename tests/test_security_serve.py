@@ -42,7 +42,7 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     with open(os.path.join(ROOT, "configs", "tiny.yaml")) as f:
         config = yaml.safe_load(f)
-    config.update(max_model_len=1024, num_slots=4)
+    config.update(max_model_len=1024, num_slots=2)  # the 4-choice stream runs in 2 waves
     config_path = tmp / "tiny-long.yaml"
     config_path.write_text(yaml.safe_dump(config))
     with serve_process(config_path, tmp, {"SPECRELAY_API_KEY": KEY},
