@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -87,20 +88,33 @@ async def create_stage_actors(config: EngineConfig) -> StageActors:
 
 class RayStages:
     """engine_core.Stages over actor handles. The proposal and the payload travel as object
-    refs from actor to actor; the engine only reads the small StepOutcome."""
+    refs from actor to actor; the engine only reads the small StepOutcome.
+
+    Every stage call is submitted as the engine's own call, never as a child of the request
+    being served (see `_call`)."""
 
     def __init__(self, actors: StageActors) -> None:
         self.actors = actors
+        self._context = contextvars.copy_context()  # the engine's build, not a request's task
+
+    def _call(self, method: Any, *args: Any) -> Any:
+        """`method.remote(*args)` under the engine's context. Ray takes the calling task from
+        a context variable and, when that task is cancelled (a client went away), cancels its
+        children too. A child still queued behind an earlier call to the same ordered stage
+        actor (a `process` whose payload is being resolved) is then dropped before it is sent,
+        and the stage waits for the missing sequence number: 30 s, restarted by every later
+        call (ray-project/ray#65785), so the engine stalls until the step timeout."""
+        return self._context.run(method.remote, *args)
 
     async def add_request(self, req: NewRequest, traceparent: str | None) -> None:
-        await self.actors.output.add_request.remote(req, traceparent)
+        await self._call(self.actors.output.add_request, req, traceparent)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
         import ray
 
         plan_ref = ray.put(plan)  # serialized once for the draft and every rank
-        proposal = self.actors.draft.propose.remote(plan_ref)
-        calls = [v.verify.options(num_returns=2).remote(plan_ref, proposal)
+        proposal = self._call(self.actors.draft.propose, plan_ref)
+        calls = [self._call(v.verify.options(num_returns=2), plan_ref, proposal)
                  for v in self.actors.verifiers]
         # Await every rank: a dead rank surfaces as its own error, not as rank 0 hanging.
         results = await asyncio.gather(*(outcome for outcome, _ in calls))
@@ -109,13 +123,17 @@ class RayStages:
         return outcome
 
     async def process(self, payload: Any) -> list[RequestOutput]:
-        return await self.actors.output.process.remote(payload)
+        return await self._call(self.actors.output.process, payload)
 
     async def abort(self, rid: str) -> RequestOutput | None:
-        return await self.actors.output.abort.remote(rid)
+        return await self._call(self.actors.output.abort, rid)
 
     async def dropped_steps(self) -> int:
-        return await self.actors.output.dropped_steps.remote()
+        return await self._call(self.actors.output.dropped_steps)
+
+    async def ping(self) -> None:
+        """Every stage actor answers (raises when one is gone)."""
+        await asyncio.gather(*(self._call(a.ping) for a in self.actors.all))
 
 
 class Engine:
@@ -125,6 +143,7 @@ class Engine:
         self.config = config
         self.actors: StageActors | None = None
         self.core: EngineCore | None = None
+        self.stages: RayStages | None = None
         self.restarts = 0
         self.tracer: Any = None
         self._rebuilding: asyncio.Task | None = None
@@ -139,8 +158,8 @@ class Engine:
 
     async def _build(self) -> None:
         self.actors = await create_stage_actors(self.config)
-        core = EngineCore(self.config, RayStages(self.actors), self.actors.info["vocab_size"],
-                          self.tracer)
+        self.stages = RayStages(self.actors)
+        core = EngineCore(self.config, self.stages, self.actors.info["vocab_size"], self.tracer)
         self.core = core
         core.start().add_done_callback(lambda _t: self._on_loop_end(core))
 
@@ -208,9 +227,7 @@ class Engine:
             # Idle: nothing would notice a dead or wedged actor, so ask them; one that does not
             # answer within the step timeout fails the engine, which rebuilds its stages.
             try:
-                await asyncio.wait_for(
-                    asyncio.gather(*(a.ping.remote() for a in self.actors.all)),
-                    self.config.step_timeout_s)
+                await asyncio.wait_for(self.stages.ping(), self.config.step_timeout_s)
             except Exception as e:  # noqa: BLE001 - any failure means a stage is gone
                 reason = f"stage actor unavailable: {type(e).__name__}: {e}"
                 if core is self.core:
