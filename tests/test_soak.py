@@ -1,12 +1,13 @@
 """A bounded soak on the real service: an open-loop mix at ~1.2x measured capacity (streaming and
 not, n = 1 or 2, stop strings, logprobs, random client disconnects) for SPECRELAY_SOAK_S seconds
-(default 60).
+(default 120).
 
 Checks: every request sent is exactly one of completed / rejected (429) / errored / dropped by
 its own client, with errored == 0; every response ended each choice exactly once; every
 completed stream's text and tokens equal the same greedy request sent non-streamed afterwards;
-/health answered 200 within the readiness-probe timeout (3 s) throughout; slots are all free afterwards and the RSS of
-the engine and stage processes is back to its post-warm-up level (tolerance below).
+/health answered 200 within the readiness-probe timeout (3 s) throughout; the engine never
+failed (no stage rebuild); slots are all free afterwards and the RSS of the engine and stage
+processes is back to its post-warm-up level (tolerance below).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 from reliability_support import completion, deployment_rss, engine_stats, wait_slots_free
 from serve_helpers import ROOT, metric, running_app
 
-SOAK_S = float(os.environ.get("SPECRELAY_SOAK_S", "60"))
+SOAK_S = float(os.environ.get("SPECRELAY_SOAK_S", "120"))
 pytestmark = [pytest.mark.ray, pytest.mark.soak, pytest.mark.timeout(int(SOAK_S) + 300)]
 
 APP = "specrelay-soak"
@@ -171,6 +172,8 @@ def test_soak_at_1_2x_capacity_keeps_every_invariant(base):
 
     stats = wait_slots_free(APP, NUM_SLOTS)
     assert stats["healthy"]
+    # Overload and disconnects are not faults: the engine never failed and rebuilt its stages.
+    assert stats["restarts"] == 0, stats
     rss_after = deployment_rss(APP)
     frac, extra = RSS_TOLERANCE
     assert rss_after <= rss_before * (1 + frac) + extra, (rss_before >> 20, rss_after >> 20)
