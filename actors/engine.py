@@ -151,9 +151,12 @@ class Engine:
     async def start(self) -> dict[str, Any]:
         from pipeline.tracing import get_tracer, setup_tracing
 
+        from pipeline.gc_tuning import tune_gc
+
         setup_tracing("specrelay-engine", self.config.tracing)  # config, else OTEL_* environment
         self.tracer = get_tracer()
         await self._build()
+        tune_gc(self.config.gc_gen0_threshold)
         return await self.model_info()
 
     async def _build(self) -> None:

@@ -9,6 +9,7 @@ from pipeline.step_plan import NewRequest
 
 class OutputActor:
     def __init__(self, config: EngineConfig) -> None:
+        from pipeline.gc_tuning import tune_gc
         from pipeline.output import OutputProcessor
         from pipeline.output_tracing import TracedOutputProcessor
         from pipeline.runners import load_engine_tokenizer
@@ -21,6 +22,7 @@ class OutputActor:
         self.eos_token_ids = eos_token_ids(tokenizer)
         inner = OutputProcessor(tokenizer, self.eos_token_ids)
         self.processor = TracedOutputProcessor(inner)
+        tune_gc(config.gc_gen0_threshold)  # after loading: the tokenizer is never garbage
 
     def add_request(self, req: NewRequest, traceparent: str | None) -> None:
         self.processor.add_request(req.rid, req.prompt_ids, req.params, traceparent=traceparent)

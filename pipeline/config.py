@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from pipeline.gc_tuning import DEFAULT_GEN0_THRESHOLD
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT_KINDS = ("ngram", "model", "none")
 BACKENDS = ("auto", "sdpa", "flash")
@@ -39,6 +41,9 @@ class EngineConfig:
     ngram_min_n: int = 1
     ngram_max_n: int = 4
     torch_threads: int | None = None  # per actor; None leaves torch's default
+    # Engine and output actors: gen-0 GC threshold after a gc.freeze() (pipeline.gc_tuning);
+    # None leaves CPython's defaults.
+    gc_gen0_threshold: int | None = DEFAULT_GEN0_THRESHOLD
     tracing: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -51,6 +56,8 @@ class EngineConfig:
         _positive_int("ngram_max_n", self.ngram_max_n, minimum=self.ngram_min_n)
         if self.torch_threads is not None:
             _positive_int("torch_threads", self.torch_threads)
+        if self.gc_gen0_threshold is not None:
+            _positive_int("gc_gen0_threshold", self.gc_gen0_threshold, minimum=100)
         _choice("draft", self.draft, DRAFT_KINDS)
         _choice("attention_backend", self.attention_backend, BACKENDS)
         _choice("dtype", self.dtype, DTYPES)

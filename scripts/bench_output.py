@@ -12,6 +12,8 @@ counts the tokenizer's threads too). TOKENIZERS_PARALLELISM defaults to false he
 decode is ~1 us per request, too small for the tokenizer's thread pool to pay off (set it to true in
 the environment to compare). `make_processor` is the one place that builds the processor under test, so
 a traced variant (pipeline.output_tracing.TracedOutputProcessor) is a one-line change there.
+The garbage collector is set as in the output actor (pipeline.gc_tuning); `--gc default` keeps
+CPython's settings, for comparison.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from pipeline.gc_tuning import tune_gc
 from pipeline.output import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
@@ -206,12 +209,17 @@ def main() -> None:
     ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--trace", action="store_true", help="TracedOutputProcessor, spans discarded")
     ap.add_argument("--trace-ratio", type=float, default=1.0, help="sampling ratio for --trace")
+    ap.add_argument("--gc", choices=("tuned", "default"), default="tuned",
+                    help="tuned: the output actor's GC settings (pipeline.gc_tuning); "
+                         "default: CPython's")
     args = ap.parse_args()
     big = 1 << 20  # no request reaches the length limit during the benchmark
     ids_params = SamplingParams(max_new_tokens=big, logprobs=0)
     text_params = SamplingParams(max_new_tokens=big, stop=STOPS, logprobs=5)
     tok = smollm2_tokenizer()
-    print(f"{args.requests} requests x {args.window}-token windows")
+    if args.gc == "tuned":
+        tune_gc()
+    print(f"{args.requests} requests x {args.window}-token windows, GC {args.gc}")
     throughput(None, args, ids_params, None, "ids + finish + logprobs")
     throughput(tok, args, text_params, 5, "+ detokenize, 2 stop strings, top-5")
     if not args.skip_scaling:

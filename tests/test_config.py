@@ -43,6 +43,8 @@ def test_draft_none_forces_zero_speculative_tokens():
     ({"overlap": "yes"}, "overlap"),
     ({"max_waiting": -1}, "max_waiting"),
     ({"tracing": ["x"]}, "tracing"),
+    ({"gc_gen0_threshold": 0}, "gc_gen0_threshold"),
+    ({"gc_gen0_threshold": 1.5}, "gc_gen0_threshold"),
     ({"colour": "blue"}, "colour"),
 ])
 def test_bad_values_name_the_field(overrides, field):
