@@ -149,9 +149,8 @@ class Engine:
         self._rebuilding: asyncio.Task | None = None
 
     async def start(self) -> dict[str, Any]:
-        from pipeline.tracing import get_tracer, setup_tracing
-
         from pipeline.gc_tuning import tune_gc
+        from pipeline.tracing import get_tracer, setup_tracing
 
         setup_tracing("specrelay-engine", self.config.tracing)  # config, else OTEL_* environment
         self.tracer = get_tracer()

@@ -3,4 +3,4 @@
 from pipeline.params import SamplingParams
 from pipeline.request_output import RequestOutput
 
-__all__ = ["SamplingParams", "RequestOutput"]
+__all__ = ["RequestOutput", "SamplingParams"]
