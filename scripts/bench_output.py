@@ -1,6 +1,7 @@
 """Benchmark the output path (pipeline.output.OutputProcessor) on 256 requests x 5-token windows.
 
     .venv/bin/python scripts/bench_output.py [--requests 256] [--window 5] [--skip-scaling] [--trace]
+    .venv/bin/python scripts/bench_output.py --trace-overhead [--trace-ratio 0.1]
 
 Prints accepted tokens/s through `process` (msgpack decode + validation + ids, finish checks and the
 logprob boundary), then the same with detokenization (SmolLM2 tokenizer), 2 stop strings and top-5
@@ -168,6 +169,31 @@ def throughput(tokenizer, args, params, top_n, label: str) -> float:
     return tokens / wall
 
 
+def trace_overhead(tokenizer, args, params, top_n, label: str) -> float:
+    """Paired: an untraced and a traced processor in one process, blocks alternating (so machine
+    noise hits both alike); returns the traced / untraced per-step CPU time."""
+    rng = np.random.default_rng(0)
+    pool = text_token_pool(tokenizer, rng)
+    procs = []
+    for trace in (False, True):
+        proc, rids = setup(tokenizer, argparse.Namespace(**{**vars(args), "trace": trace}),
+                           params, f"{label}-{trace}")
+        proc.process(payloads(rids, pool, 1, 1, 0, top_n, rng)[0])
+        procs.append((proc, rids))
+    samples: list[list[tuple[float, float]]] = [[], []]
+    for r in range(2 * args.repeats):
+        order = (0, 1) if r % 2 == 0 else (1, 0)
+        for k in order:
+            proc, rids = procs[k]
+            block = payloads(rids, pool, args.window, args.steps, 1 + r * args.steps, top_n, rng)
+            samples[k].append(time_block(proc, block))
+    (w0, c0), (w1, c1) = median_times(samples[0]), median_times(samples[1])
+    print(f"{label}: untraced {w0 * 1e3:.3f} ms/step, traced (ratio {args.trace_ratio}) "
+          f"{w1 * 1e3:.3f} ms/step: {100 * (w1 / w0 - 1):+.1f}% wall, "
+          f"{100 * (c1 / c0 - 1):+.1f}% CPU")
+    return c1 / c0
+
+
 def length_scaling(tokenizer, args, params, top_n, label: str) -> list[float]:
     rng = np.random.default_rng(1)
     pool = text_token_pool(tokenizer, rng)
@@ -209,6 +235,8 @@ def main() -> None:
     ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--trace", action="store_true", help="TracedOutputProcessor, spans discarded")
     ap.add_argument("--trace-ratio", type=float, default=1.0, help="sampling ratio for --trace")
+    ap.add_argument("--trace-overhead", action="store_true",
+                    help="only the paired traced-vs-untraced comparison (at --trace-ratio)")
     ap.add_argument("--gc", choices=("tuned", "default"), default="tuned",
                     help="tuned: the output actor's GC settings (pipeline.gc_tuning); "
                          "default: CPython's")
@@ -220,6 +248,10 @@ def main() -> None:
     if args.gc == "tuned":
         tune_gc()
     print(f"{args.requests} requests x {args.window}-token windows, GC {args.gc}")
+    if args.trace_overhead:
+        trace_overhead(None, args, ids_params, None, "tracing overhead, ids")
+        trace_overhead(tok, args, text_params, 5, "tracing overhead, text")
+        return
     throughput(None, args, ids_params, None, "ids + finish + logprobs")
     throughput(tok, args, text_params, 5, "+ detokenize, 2 stop strings, top-5")
     if not args.skip_scaling:
