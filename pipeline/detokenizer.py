@@ -3,8 +3,12 @@
 Committed text. For output ids `ids`, let `S(p)` be `decode(ids[:p+1])` with its trailing run of
 U+FFFD removed: U+FFFD at the very end may stand for a character whose bytes have not all arrived
 (byte-level BPE gives one for an incomplete tail, SentencePiece byte fallback one per byte token), so
-it is not final until a later character follows it. `S(p)` only grows with `p`, so it is the text
-the output path commits to: stop strings are searched in it, and a stop
+it is not final until a later character follows it. SentencePiece byte fallback decodes a run of
+consecutive byte tokens as one unit: valid UTF-8, else one U+FFFD per byte, so a byte that starts a
+new character can turn a run that decoded to text ("丸") back into U+FFFDs. `S(p)` therefore also
+leaves out the text of a trailing run of byte tokens (until a non-byte token ends the run, or the
+finish settles it). `S(p)` only grows with `p`, so it is the text the output path commits to: stop
+strings are searched in it, and a stop
 string completes at the first position `p` whose `S(p)` contains it (`f` = the token holding the
 match's last character). At finish the text is settled: the decode of the retained ids, trailing
 U+FFFD included (DESIGN.md, *Streaming*).
@@ -23,6 +27,7 @@ over decodes of the window's prefixes, done only when a match is found.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -119,6 +124,18 @@ class Detokenizer:
         if context_free is None:
             context_free = _is_byte_level(backend)
         self.context_free = context_free
+        # <0xNN> tokens of a byte-fallback decoder (empty otherwise): see the module docstring.
+        self.byte_tokens = _byte_fallback_ids(backend)
+
+    def trailing_byte_run(self, seq: Sequence[int]) -> int:
+        """How many byte-fallback tokens end `seq` (0 for other tokenizers)."""
+        byte_tokens = self.byte_tokens
+        n = 0
+        for t in reversed(seq):
+            if t not in byte_tokens:
+                break
+            n += 1
+        return n
 
     def decode_batch(self, seqs: list[list[int]], skip: list[bool]) -> list[str]:
         """Decode every sequence; one call per distinct `skip_special_tokens` value."""
@@ -242,3 +259,14 @@ def _is_byte_level(backend: Any) -> bool:
     from tokenizers import decoders
 
     return isinstance(backend.decoder, decoders.ByteLevel)
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _byte_fallback_ids(backend: Any) -> frozenset[int]:
+    if backend is None or backend.decoder is None:
+        return frozenset()
+    if '"ByteFallback"' not in json.dumps(json.loads(backend.decoder.__getstate__())):
+        return frozenset()
+    return frozenset(i for piece, i in backend.get_vocab().items() if _BYTE_PIECE.fullmatch(piece))

@@ -316,6 +316,7 @@ class OutputProcessor:
         detok = self.detokenizer
         special = detok.special_ids
         context_free = detok.context_free
+        byte_tokens = detok.byte_tokens
         seqs: list[list[int]] = []
         skips: list[bool] = []
         jobs = []
@@ -332,21 +333,31 @@ class OutputProcessor:
             ts = st.text
             ids = st.output_ids
             p = ts.prefix_offset
-            jobs.append((i, st, window, len(seqs)))
-            seqs.append(ids[p:].tolist() + window if p < len(ids) else window)
+            s0 = len(seqs)
+            seq = ids[p:].tolist() + window if p < len(ids) else window
+            seqs.append(seq)
             skip = st.params.skip_special_tokens
             skips.append(skip)
             if not context_free:
                 seqs.append(ids[p : ts.read_offset].tolist())
                 skips.append(skip)
+            s_run = -1  # the decode without a trailing byte-fallback run, when there is one
+            if byte_tokens and fin is None and seq and seq[-1] in byte_tokens:
+                s_run = len(seqs)
+                seqs.append(seq[: len(seq) - detok.trailing_byte_run(seq)])
+                skips.append(skip)
+            jobs.append((i, st, window, s0, s_run))
         decoded = detok.decode_batch(seqs, skips)
 
-        for i, st, window, s0 in jobs:
+        for i, st, window, s0, s_run in jobs:
             ts = st.text
             full = decoded[s0]
             base = ts.extra if context_free else len(decoded[s0 + 1]) + ts.extra
-            # Commit all but trailing U+FFFD (maybe a character still missing bytes).
+            # Commit all but trailing U+FFFD (maybe a character still missing bytes), and none of
+            # a trailing byte-fallback run's text (a later byte may turn it into U+FFFDs).
             stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
+            if s_run >= 0:
+                stable = min(stable, len(decoded[s_run]))
             new = full[base:stable] if stable > base else ""
             start = len(st.output_ids)
             fin = fins.get(i) if fins else None

@@ -151,6 +151,29 @@ def test_sentencepiece_style_decoder_every_cut_gives_the_same_output(data):
     check_invariance(SP, [EOS], stream, params, cuts)
 
 
+@pytest.mark.parametrize("cuts", [[1], [2], [3, 1], [1, 3], [4]])
+def test_a_byte_that_invalidates_a_byte_fallback_run_never_revokes_sent_text(cuts):
+    # Byte fallback decodes a run of byte tokens as one unit: E4 B8 B8 is "丸", but E4 B8 B8 E4
+    # is four U+FFFD. Sending "丸" after the third byte would leave the streamed text different
+    # from the final decode (found by the property above), so a trailing byte run's text waits.
+    stream = [byte_id(b) for b in b"\xe4\xb8\xb8\xe4"]
+    check_invariance(SP, [EOS], stream, SamplingParams(max_new_tokens=4), cuts)
+    proc = OutputProcessor(SP, [EOS])
+    proc.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=4))
+    got = feed(proc, "r", stream, cuts)
+    assert "".join(o.text for o in got.outs) == "\ufffd" * 4
+    assert all(o.text == "" for o in got.outs[:-1])
+
+
+def test_a_byte_fallback_run_is_sent_when_a_non_byte_token_ends_it():
+    world = [byte_id(b) for b in "世界".encode()]
+    stream = [SP.token_to_id("\u2581a"), *world, SP.token_to_id("\u2581b")]
+    proc = OutputProcessor(SP, [EOS])
+    proc.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=len(stream) + 1))
+    got = feed(proc, "r", stream, [1])
+    assert [o.text for o in got.outs] == ["a", *[""] * len(world), "世界 b"]
+
+
 @pytest.fixture(scope="module")
 def smol_pool(smollm2_tokenizer) -> list[int]:
     tok = smollm2_tokenizer
