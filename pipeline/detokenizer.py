@@ -224,14 +224,21 @@ class Detokenizer:
         lo, hi = 1, len(window)
         while lo < hi:
             mid = (lo + hi) // 2
-            if (
-                len(DecodedWindow(self.decode(head + window[:mid], skip), dw.base).committed)
-                >= chars
-            ):
+            if self.committed_len(head + window[:mid], skip) - dw.base >= chars:
                 hi = mid
             else:
                 lo = mid + 1
         return lo
+
+    def committed_len(self, seq: list[int], skip: bool) -> int:
+        """Characters of `decode(seq)` committed: all but a trailing U+FFFD run and the text of a
+        trailing byte-fallback run (the rule the output path applies per step)."""
+        full = self.decode(seq, skip)
+        stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
+        run = self.trailing_byte_run(seq) if self.byte_tokens else 0
+        if run:
+            stable = min(stable, len(self.decode(seq[: len(seq) - run], skip)))
+        return stable
 
 
 def _backend(tokenizer: Any) -> Any:

@@ -198,10 +198,12 @@ def reference(
     decode,
     eos_ids: set[int],
     special_ids: set[int],
+    byte_tokens: frozenset[int] = frozenset(),
 ) -> Expected:
     """The finish rules straight from their definition, re-decoding the whole prefix per token.
 
-    `decode(ids, skip_special_tokens) -> str`."""
+    `decode(ids, skip_special_tokens) -> str`; `byte_tokens`: a byte-fallback tokenizer's byte
+    tokens, whose trailing run's text is not committed (pipeline.detokenizer)."""
     skip = params.skip_special_tokens
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
     prev_len = 0  # len(S(p-1))
@@ -210,6 +212,11 @@ def reference(
             text_ids = stream[:p] if t in special_ids else stream[: p + 1]
             return Expected(stream[: p + 1], decode(text_ids, skip), "stop", t, p + 1)
         s_p = committed(decode(stream[: p + 1], skip))
+        run = 0
+        while run <= p and stream[p - run] in byte_tokens:
+            run += 1
+        if run:
+            s_p = s_p[: len(decode(stream[: p + 1 - run], skip))]
         if params.stop and p >= params.min_new_tokens:
             best = None
             for s in params.stop:

@@ -77,7 +77,8 @@ def scenarios(draw, pool: list[int], decode):
 
 def check_invariance(tokenizer, eos, stream, params, cuts, context_free=None) -> None:
     detok = Detokenizer(tokenizer, context_free=context_free)
-    ref = reference(stream, params, _decode_fn(detok), set(eos), set(detok.special_ids))
+    ref = reference(stream, params, _decode_fn(detok), set(eos), set(detok.special_ids),
+                    detok.byte_tokens)
     runs = {}
     for name, c in {"one": [1], "cuts": cuts, "whole": [len(stream)]}.items():
         proc = OutputProcessor(tokenizer, eos)
@@ -163,6 +164,20 @@ def test_a_byte_that_invalidates_a_byte_fallback_run_never_revokes_sent_text(cut
     got = feed(proc, "r", stream, cuts)
     assert "".join(o.text for o in got.outs) == "\ufffd" * 4
     assert all(o.text == "" for o in got.outs[:-1])
+
+
+@pytest.mark.parametrize("cuts", [[1], [2], [4]])
+def test_a_stop_string_in_a_byte_fallback_run_completes_when_the_run_ends(cuts):
+    # "丸" is only final once a non-byte token follows (a further byte could undo it), so the
+    # stop string completes at that token, whatever the window sizes.
+    stream = [*(byte_id(b) for b in "丸".encode()), SP.token_to_id("\u2581a"), EOS]
+    params = SamplingParams(max_new_tokens=8, stop=["丸"])
+    check_invariance(SP, [EOS], stream, params, cuts)
+    proc = OutputProcessor(SP, [EOS])
+    proc.add_request("r", [1, 2, 3], params)
+    got = feed(proc, "r", stream, cuts)
+    assert got.final()[0] == stream[:4] and got.text == ""
+    assert (got.last.finish_reason, got.last.matched_stop) == ("stop", "丸")
 
 
 def test_a_byte_fallback_run_is_sent_when_a_non_byte_token_ends_it():
