@@ -6,7 +6,7 @@ TORCH_CPU := torch==2.13.0
 HELM := .tools/helm
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast soak serve helm lint bench
+.PHONY: install test test-fast soak explore serve helm lint bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,12 @@ test: install
 # Only the bounded overload soak (SPECRELAY_SOAK_S seconds, default 120; also part of `make test`).
 soak: install
 	PATH=$(CURDIR)/.tools:$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider -m soak
+
+# The property tests with fresh random examples (CI replays fixed ones); repeat to search more.
+explore: install
+	HYPOTHESIS_PROFILE=explore $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not ray" \
+		tests/test_output_chunking.py tests/test_output.py tests/test_protocol.py tests/test_ngram.py \
+		tests/test_security.py
 
 test-fast: install
 	PATH=$(CURDIR)/.tools:$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow and not ray"

