@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from pipeline.params import MAX_LOGPROBS, MAX_NEW_TOKENS_LIMIT, MAX_SEED, SamplingParams
 from pipeline.request_output import RequestOutput
 
 MAX_N = 16
@@ -95,40 +95,52 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
+def _documented(default: Any, **limits: Any) -> Any:
+    """A field whose limits are published in the OpenAPI schema only. The checks themselves stay
+    in `parse_*_request` / SamplingParams (400s naming the parameter); a limit here must never be
+    stricter than they are, or a schema-valid request would be refused."""
+    return Field(default, json_schema_extra=limits)
+
+
+_MAX_TOKENS = {"minimum": 1, "maximum": MAX_NEW_TOKENS_LIMIT}
+_ONLY_ZERO = {"minimum": 0, "maximum": 0}
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 class _CommonRequest(_Strict):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: int | None = _documented(None, **_MAX_TOKENS)
+    temperature: float | None = _documented(None, minimum=0)
+    top_p: float | None = _documented(None, exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _documented(None, minimum=-1)
+    seed: int | None = _documented(None, minimum=0, maximum=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = _documented(0, minimum=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = _documented(1, minimum=1, maximum=MAX_N)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # only with stream: true
     user: str | None = None
     # Accepted only at their no-op values (we do not implement them; never silently ignore).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    presence_penalty: float | None = _documented(None, **_ONLY_ZERO)
+    frequency_penalty: float | None = _documented(None, **_ONLY_ZERO)
+    repetition_penalty: float | None = _documented(None, minimum=1, maximum=1)
+    logit_bias: dict[str, float] | None = _documented(None, maxProperties=0)
+    best_of: int | None = _documented(None, minimum=1, maximum=MAX_N)  # 1 or n
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = _documented(
+        ..., minLength=1, minItems=1)
+    logprobs: int | None = _documented(None, minimum=0, maximum=MAX_LOGPROBS)
+    echo: bool = _documented(False, const=False)
+    suffix: str | None = _documented(None, maxLength=0)
 
 
 class ContentPart(_Strict):
@@ -143,10 +155,10 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_CommonRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = _documented(..., minItems=1)
+    max_completion_tokens: int | None = _documented(None, **_MAX_TOKENS)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _documented(None, minimum=0, maximum=MAX_LOGPROBS)  # needs logprobs
     add_generation_prompt: bool = True
 
 
