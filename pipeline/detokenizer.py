@@ -38,6 +38,11 @@ from pipeline.request_state import TextState
 REPLACEMENT = "\ufffd"
 
 
+def stable_len(full: str) -> int:
+    """Length of `full` without its trailing U+FFFD run (maybe a character still missing bytes)."""
+    return len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
+
+
 @dataclass(frozen=True, slots=True)
 class StopStrings:
     """A request's stop strings, prepared for the incremental search (build() caches them, so
@@ -104,9 +109,8 @@ class DecodedWindow:
     @property
     def committed(self) -> str:
         """Text newly committed by this window (trailing U+FFFD held back)."""
-        full = self.full
-        stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
-        return full[self.base : stable] if stable > self.base else ""
+        stable = stable_len(self.full)
+        return self.full[self.base : stable] if stable > self.base else ""
 
 
 class Detokenizer:
@@ -233,8 +237,7 @@ class Detokenizer:
     def committed_len(self, seq: list[int], skip: bool) -> int:
         """Characters of `decode(seq)` committed: all but a trailing U+FFFD run and the text of a
         trailing byte-fallback run (the rule the output path applies per step)."""
-        full = self.decode(seq, skip)
-        stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
+        stable = stable_len(self.decode(seq, skip))
         run = self.trailing_byte_run(seq) if self.byte_tokens else 0
         if run:
             stable = min(stable, len(self.decode(seq[: len(seq) - run], skip)))

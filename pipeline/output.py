@@ -353,8 +353,9 @@ class OutputProcessor:
             ts = st.text
             full = decoded[s0]
             base = ts.extra if context_free else len(decoded[s0 + 1]) + ts.extra
-            # Commit all but trailing U+FFFD (maybe a character still missing bytes), and none of
-            # a trailing byte-fallback run's text (a later byte may turn it into U+FFFDs).
+            # Commit all but trailing U+FFFD (detokenizer.stable_len, inlined on this per-request
+            # path), and none of a trailing byte-fallback run's text (a later byte may turn it
+            # into U+FFFDs).
             stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
             if s_run >= 0:
                 stable = min(stable, len(decoded[s_run]))

@@ -71,6 +71,15 @@ def one(docs: list[dict], kind: str) -> dict:
     return found[0]
 
 
+def render_drain(grace: int | None, shutdown: int | None) -> tuple[dict, int, int]:
+    """The RayService rendered with these drain values (None: the chart's defaults, 30 and 10),
+    and the grace and shutdown seconds it should carry."""
+    if grace is None:
+        return one(render(), "RayService"), 30, 10
+    sets = (f"drain.gracePeriodSeconds={grace}", f"drain.shutdownSeconds={shutdown}")
+    return one(render(*sets), "RayService"), grace, shutdown
+
+
 def pod_specs(rs: dict) -> dict[str, dict]:
     """Pod template of the head and of each worker group, by name."""
     cluster = rs["spec"]["rayClusterConfig"]
@@ -447,12 +456,7 @@ def test_generated_ray_token_is_long_and_random():
 
 @pytest.mark.parametrize("grace, shutdown", [(None, None), (45, 5), (0, 10)])
 def test_termination_grace_and_prestop_follow_the_drain_grace_period(grace, shutdown):
-    sets = []
-    if grace is not None:
-        sets = [f"drain.gracePeriodSeconds={grace}", f"drain.shutdownSeconds={shutdown}"]
-    else:
-        grace, shutdown = 30, 10  # chart defaults
-    rs = one(render(*sets), "RayService")
+    rs, grace, shutdown = render_drain(grace, shutdown)
     for name, template in pod_specs(rs).items():
         assert template["spec"]["terminationGracePeriodSeconds"] == grace + shutdown, name
         command = ray_container(template)["lifecycle"]["preStop"]["exec"]["command"]

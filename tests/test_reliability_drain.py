@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 from server_fakes import ByteTok, FakeEngine
-from test_helm import one, pod_specs, ray_container, render
+from test_helm import pod_specs, ray_container, render_drain
 
 from actors.serve_app import DRAIN_GRACE_S, SpecrelayServer, build_app
 from actors.server import ServerSettings, create_app
@@ -74,12 +74,7 @@ def test_drain_gives_up_after_its_timeout_and_reports_what_is_left():
 
 @pytest.mark.parametrize("grace, shutdown", [(None, None), (45, 5)])
 def test_helm_drain_period_is_serves_graceful_shutdown_and_the_prestop_sleep(grace, shutdown):
-    sets = []
-    if grace is not None:
-        sets = [f"drain.gracePeriodSeconds={grace}", f"drain.shutdownSeconds={shutdown}"]
-    else:
-        grace, shutdown = 30, 10  # chart defaults
-    rs = one(render(*sets), "RayService")
+    rs, grace, shutdown = render_drain(grace, shutdown)
     (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
     (dep,) = app["deployments"]
     assert dep["name"] == SpecrelayServer.name
