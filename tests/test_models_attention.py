@@ -1,85 +1,133 @@
-"""Attention backend switch, and the flash path's call into vllm-flash-attn checked on CPU
-against a pure-torch stand-in that implements the documented `flash_attn_varlen_func`
-contract (paged KV via block_table + seqused_k, bottom-right causal, GQA)."""
+"""Attention backends. The flash path runs through the real vllm-flash-attn 2.6.2 Python wrapper
+(fetched from PyPI, loaded unchanged) over a pure-torch stand-in for its CUDA extension
+(`tests/flash_wheel.py`), so a wrong keyword, argument order, dtype or layout fails here on CPU."""
 
 from __future__ import annotations
 
 import random
 import sys
-import types
 
+import flash_wheel
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pipeline.models.runner as runner_mod
-from pipeline.models.attention import build_metadata, resolve_backend
+from pipeline.models import attention
+from pipeline.models.attention import attend, build_metadata, resolve_backend, write_kv
 from pipeline.models.runner import ModelRunner
 from pipeline.models.tiny import tiny_config, tiny_model
 
 
-def fake_flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
-                                cu_seqlens_k=None, seqused_k=None, q_v=None, dropout_p=0.0,
-                                softmax_scale=None, causal=False, window_size=None,
-                                softcap=0.0, alibi_slopes=None, deterministic=False,
-                                return_attn_probs=False, block_table=None,
-                                return_softmax_lse=False, out=None, **_fa3):
-    assert cu_seqlens_q.dtype == torch.int32 and seqused_k.dtype == torch.int32
-    assert block_table.dtype == torch.int32 and cu_seqlens_k is None
-    assert k.shape[1] % 16 == 0, "paged KV block size must be a multiple of 16"
-    assert q.stride(-1) == 1 and causal
-    h, kh = q.shape[1], k.shape[2]
-    res = torch.empty_like(q)
-    for i in range(len(seqused_k)):
-        a, b = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-        n_k = int(seqused_k[i])
-        assert b - a <= max_seqlen_q and n_k <= max_seqlen_k
-        keys = torch.cat([k[blk] for blk in block_table[i].tolist()])[:n_k]
-        vals = torch.cat([v[blk] for blk in block_table[i].tolist()])[:n_k]
-        keys = keys.repeat_interleave(h // kh, dim=1)   # GQA: q head j uses kv head j // g
-        vals = vals.repeat_interleave(h // kh, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), keys.float()) * softmax_scale
-        qpos = torch.arange(b - a)[:, None] + (n_k - (b - a))   # bottom-right alignment
-        scores = scores.masked_fill(torch.arange(n_k)[None, :] > qpos, float("-inf"))
-        res[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals.float()).to(q.dtype)
-    return res
-
-
 @pytest.fixture
-def fake_flash(monkeypatch):
-    mod = types.ModuleType("vllm_flash_attn")
-    mod.flash_attn_varlen_func = fake_flash_attn_varlen_func
-    monkeypatch.setitem(sys.modules, "vllm_flash_attn", mod)
+def flash_ext(monkeypatch):
+    ext = flash_wheel.install(monkeypatch)
     monkeypatch.setattr(runner_mod, "resolve_backend", lambda backend, device, dtype: backend)
+    return ext
 
 
-def test_flash_path_matches_sdpa_through_prefill_verify_rollback(fake_flash):
+def _mixed_batch(backend: str, capacity: int):
+    """Slots in shuffled order: a prefill, a decode, a verify run and a decode that fills its
+    slot to capacity."""
+    slots, starts, q_lens = [4, 1, 3, 0], [0, 20, 11, capacity - 1], [9, 1, 5, 1]
+    return build_metadata(backend, slots, starts, q_lens, capacity, "cpu"), sum(q_lens)
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_flash_wrapper_matches_sdpa_on_a_mixed_prefill_decode_verify_batch(flash_ext, heads):
+    h, kh = heads
+    d, capacity, scale = 16, 32, 0.25
+    gen = torch.Generator().manual_seed(0)
+    # Stale values everywhere: anything past a slot's length must be ignored by both paths.
+    k_cache = torch.randn(6, capacity, kh, d, generator=gen).bfloat16()
+    v_cache = torch.randn(6, capacity, kh, d, generator=gen).bfloat16()
+    meta_f, n = _mixed_batch("flash", capacity)
+    meta_s, _ = _mixed_batch("sdpa", capacity)
+    q = torch.randn(n, h, d, generator=gen).bfloat16()
+    k_new = torch.randn(n, kh, d, generator=gen).bfloat16()
+    v_new = torch.randn(n, kh, d, generator=gen).bfloat16()
+    write_kv(k_cache, v_cache, k_new, v_new, meta_f)
+    got = attend(q, k_cache, v_cache, meta_f, scale)
+    ref = attend(q.float(), k_cache.float(), v_cache.float(), meta_s, scale)
+    assert flash_ext.calls == 1
+    assert got.shape == (n, h * d) and got.dtype == torch.bfloat16
+    assert (got.float() - ref).abs().max() < 2e-2
+
+
+def test_flash_runner_matches_sdpa_through_prefill_verify_rollback_and_slot_reuse(flash_ext):
     config = tiny_config()
-    flash = ModelRunner(tiny_model(config, 1), config, 4, 40, backend="flash")
-    sdpa = ModelRunner(tiny_model(config, 1), config, 4, 40, backend="sdpa")
+    flash = ModelRunner(tiny_model(config, 1), config, 5, 40, dtype=torch.bfloat16,
+                        backend="flash")
+    sdpa = ModelRunner(tiny_model(config, 1), config, 5, 40, backend="sdpa")
     assert flash.cache.capacity == 48 and sdpa.cache.capacity == 40
     rng = random.Random(2)
     for r in (flash, sdpa):
-        r.allocate(), r.allocate(), r.allocate()
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in (7, 12, 3)]
-    steps = [([0, 1, 2], prompts), ([2, 0], [[5, 6, 7, 8, 9], [4]]),
-             ([1, 2, 0], [[1], [2], [3, 4, 5, 6, 7]])]
-    for i, (slots, runs) in enumerate(steps):
+        for _ in range(5):
+            r.allocate()
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (7, 12, 3, 20)]
+    steps = [
+        ([3, 0, 4, 2], prompts),                                 # prefills, shuffled slots
+        ([2, 0, 4], [[5, 6, 7, 8, 9], [4], [1, 2]]),             # verify, decode, verify
+        ("rollback", None),                                      # reject drafts; slot 3 freed
+        ([1, 4, 0, 3], [[1, 2, 3], [2], [3, 4, 5, 6, 7], [9]]),  # reused slots 1 and 3 prefill
+        ([3, 2, 1, 0, 4], [[8], [7], [6], [5], [4]]),            # all decode
+    ]
+    for slots, runs in steps:
+        if slots == "rollback":
+            for r in (flash, sdpa):
+                r.truncate(2, 20 + 2)
+                r.truncate(4, 3 + 1)
+                r.free(3), r.free(1)
+                assert r.allocate() == 1 and r.allocate() == 3
+            continue
         got = flash.forward(slots, runs)
         ref = sdpa.forward(slots, runs)
         for g, r in zip(got, ref):
-            assert (g - r).abs().max() < 1e-4
-        if i == 1:
-            for r in (flash, sdpa):
-                r.truncate(2, 3 + 2)
+            # bf16 weights and activations against an fp32 SDPA model: same greedy tokens,
+            # logits within bf16 noise (|logits| is about 10 here).
+            assert torch.equal(g.argmax(-1), r.argmax(-1))
+            assert (g - r).abs().max() < 0.3
+    assert flash_ext.calls == config.num_layers * (len(steps) - 1)  # flash ran: each layer, each forward
+
+
+def test_flash_wrapper_rejects_the_removed_seqused_k_keyword(flash_ext):
+    from vllm_flash_attn import flash_attn_varlen_func
+
+    meta, n = _mixed_batch("flash", 32)
+    cache = torch.zeros(6, 32, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="seqused_k"):
+        flash_attn_varlen_func(torch.zeros(n, 4, 16, dtype=torch.bfloat16), cache, cache,
+                               cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_q,
+                               max_seqlen_k=meta.max_k, seqused_k=meta.cu_seqlens_k[1:])
 
 
 def test_flash_metadata_layout():
     meta = build_metadata("flash", [3, 1], [10, 0], [5, 2], capacity=32, device="cpu")
     assert meta.cu_seqlens_q.tolist() == [0, 5, 7]
-    assert meta.seqused_k.tolist() == [15, 2]
-    assert meta.block_table.tolist() == [[3], [1]]
+    assert meta.cu_seqlens_k.tolist() == [0, 15, 17]
+    assert meta.cu_seqlens_q.dtype == meta.cu_seqlens_k.dtype == torch.int32
+    assert meta.block_table.tolist() == [[3], [1]] and meta.block_table.dtype == torch.int32
     assert meta.write_idx.tolist() == [3 * 32 + p for p in range(10, 15)] + [32, 33]
     assert (meta.max_q, meta.max_k) == (5, 15)
+
+
+def test_sdpa_gqa_without_enable_gqa_repeats_kv_heads(monkeypatch):
+    """torch 2.4 has no `enable_gqa`: the prefill path must not pass it and still match."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 2, 8, 2, 8, generator=gen)
+    q = torch.randn(7, 6, 8, generator=gen)
+    meta = build_metadata("sdpa", [1, 0], [2, 0], [3, 4], capacity=8, device="cpu")
+    want = attend(q, k_cache, v_cache, meta, 0.3)
+    real = F.scaled_dot_product_attention
+
+    def sdpa_2_4(*args, **kwargs):
+        assert "enable_gqa" not in kwargs, "torch 2.4's SDPA has no enable_gqa"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "SDPA_HAS_GQA", False)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa_2_4)
+    got = attend(q, k_cache, v_cache, meta, 0.3)
+    assert torch.allclose(got, want, atol=1e-6)
 
 
 def test_sdpa_mask_is_causal_within_run_and_hides_stale_keys():
@@ -111,3 +159,24 @@ def test_backend_switch():
         resolve_backend("flash", "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match="must be one of"):
         resolve_backend("xformers", "cpu", torch.float32)
+
+
+def test_auto_picks_flash_only_on_cuda_when_the_import_works(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "flash_import_error", lambda: "OSError: undefined symbol")
+    assert resolve_backend("auto", "cuda", torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="vllm-flash-attn.*undefined symbol"):
+        resolve_backend("flash", "cuda", torch.bfloat16)
+    monkeypatch.setattr(attention, "flash_import_error", lambda: None)
+    assert resolve_backend("auto", "cuda", torch.bfloat16) == "flash"
+    assert resolve_backend("auto", "cuda", torch.float32) == "sdpa"
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "sdpa"
+
+
+def test_flash_import_error_is_reported_not_raised(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm_flash_attn", None)  # import fails
+    attention.flash_import_error.cache_clear()
+    try:
+        assert attention.flash_import_error().startswith("ModuleNotFoundError: ")
+    finally:
+        attention.flash_import_error.cache_clear()

@@ -8,15 +8,22 @@ that into everything the kernels need, once per forward (not per layer).
   to [B, T]; a boolean mask [B, 1, T, Lk] gives causal order and hides keys past each
   slot's length. Decode steps (T == 1) fold the GQA group into the query axis so one
   matmul per KV head serves all its query heads, and need no causal mask.
-- "flash": `vllm_flash_attn.flash_attn_varlen_func` on CUDA, reading the slot cache as a
-  paged cache whose page is a whole slot (`block_table = slots[:, None]`, `seqused_k` =
-  lengths). Causal masking is bottom-right aligned there, which is what a run appended
-  at the end of its slot needs. Importing this module never imports flash-attn.
+- "flash": `flash_attn_varlen_func` of vllm-flash-attn 2.6.2 on CUDA, reading the slot
+  cache as a paged cache whose page is a whole slot (`block_table = slots[:, None]`; key
+  lengths as `cu_seqlens_k`, the cumulative slot lengths: that release has no `seqused_k`).
+  Causal masking is bottom-right aligned there, which is what a run appended at the end of
+  its slot needs. Varlen rather than `flash_attn_with_kvcache`: the kvcache kernel takes q
+  as [B, T, H, D], so a batch mixing a long prefill with decodes would pad every run to the
+  prefill's length; varlen packs the runs as they are. Importing this module never imports
+  flash-attn.
+
+torch >= 2.4 (the vllm-flash-attn wheel pins 2.4.0): SDPA's `enable_gqa` (2.5+) is used
+only when present; otherwise KV heads are repeated to the query heads.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +31,22 @@ import torch.nn.functional as F
 
 BACKENDS = ("auto", "sdpa", "flash")
 FLASH_PAGE_MULTIPLE = 16  # vllm-flash-attn paged KV wants block sizes divisible by 16
+# SDPA grew `enable_gqa` in torch 2.5; on 2.4 the GQA prefill path repeats KV heads instead.
+SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
+@functools.cache
+def flash_import_error() -> str | None:
+    """None when vllm_flash_attn imports (its CUDA extension loads), else why not."""
+    try:
+        import vllm_flash_attn  # noqa: F401
+    except (ImportError, OSError) as exc:  # absent, or its .so does not load (torch ABI, CUDA)
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def flash_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("vllm_flash_attn") is not None
+    return torch.cuda.is_available() and flash_import_error() is None
 
 
 def resolve_backend(backend: str, device: str | torch.device, dtype: torch.dtype) -> str:
@@ -39,9 +58,11 @@ def resolve_backend(backend: str, device: str | torch.device, dtype: torch.dtype
         half = dtype in (torch.float16, torch.bfloat16)
         return "flash" if on_cuda and half and flash_available() else "sdpa"
     if backend == "flash":
-        if not on_cuda or not flash_available():
-            raise ValueError("attention backend 'flash' needs a CUDA device and the "
-                             "vllm-flash-attn package")
+        if not on_cuda or not torch.cuda.is_available():
+            raise ValueError("attention backend 'flash' needs a CUDA device")
+        if flash_import_error() is not None:
+            raise ValueError("attention backend 'flash' needs the vllm-flash-attn package "
+                             f"(pip install '.[gpu]'): {flash_import_error()}")
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"attention backend 'flash' needs float16/bfloat16, got {dtype}")
     return backend
@@ -61,9 +82,9 @@ class AttnMetadata:
     mask: torch.Tensor | None = None      # [batch, 1, T, Lk] bool, True = attend
     causal: bool = False            # sdpa: runs all start at 0 with one length: is_causal
     # flash only
-    cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32
-    seqused_k: torch.Tensor | None = None     # [B] int32
-    block_table: torch.Tensor | None = None   # [B, 1] int32
+    cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32, cumulative run lengths
+    cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32, cumulative slot lengths after this
+    block_table: torch.Tensor | None = None   # [B, 1] int32, run i's one page: its slot
 
 
 def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: list[int],
@@ -86,10 +107,10 @@ def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: li
         positions=positions.to(device),
     )
     if backend == "flash":
-        cu = torch.zeros(b + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(q_lens_t, 0)
-        meta.cu_seqlens_q = cu.to(device)
-        meta.seqused_k = torch.tensor(k_lens, dtype=torch.int32, device=device)
+        meta.cu_seqlens_q = _cumulative(q_lens).to(device)
+        # With a block table only the differences matter (key i of run b is page
+        # block_table[b], row i), so cumulative slot lengths give each run its key count.
+        meta.cu_seqlens_k = _cumulative(k_lens).to(device)
         meta.block_table = slots_t.to(torch.int32)[:, None].to(device)
         return meta
     # SDPA rows. Slots lo..lo+b-1 in order: the cache slice is the batch. Slots spread over at
@@ -120,6 +141,12 @@ def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: li
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < k_len[:, None, None])
     meta.mask = mask[:, None].to(device)
     return meta
+
+
+def _cumulative(lens: list[int]) -> torch.Tensor:
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    return cu
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -170,8 +197,14 @@ def _attend_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out = out.reshape(b, h * d)
     else:
         qh = qp.reshape(b, t, h, d).transpose(1, 2)                     # [B, H, T, D]
+        gqa = {}
+        if kh != h and SDPA_HAS_GQA:
+            gqa["enable_gqa"] = True
+        elif kh != h:
+            k = k.repeat_interleave(h // kh, dim=1)  # query head j reads KV head j // group
+            v = v.repeat_interleave(h // kh, dim=1)
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, is_causal=meta.causal,
-                                             scale=scale, enable_gqa=kh != h)
+                                             scale=scale, **gqa)
         out = out.transpose(1, 2).reshape(b * t, h * d)
     if meta.pad_idx is not None:
         out = out[meta.pad_idx]
@@ -182,10 +215,11 @@ def _attend_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttnMetadata, scale: float) -> torch.Tensor:
     from vllm_flash_attn import flash_attn_varlen_func  # CUDA only; checked in resolve_backend
 
+    # k_cache [S, C, KH, D] is read as S pages of C tokens; run b's page is block_table[b].
     out = flash_attn_varlen_func(
         q.contiguous(), k_cache, v_cache,
-        max_seqlen_q=meta.max_q, cu_seqlens_q=meta.cu_seqlens_q,
-        max_seqlen_k=meta.max_k, seqused_k=meta.seqused_k,
-        block_table=meta.block_table, softmax_scale=scale, causal=True,
+        cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+        max_seqlen_q=meta.max_q, max_seqlen_k=meta.max_k,
+        softmax_scale=scale, causal=True, block_table=meta.block_table,
     )
     return out.reshape(q.shape[0], -1)
