@@ -10,7 +10,7 @@ import sys
 COMMANDS = {
     "serve": ("actors.serve_app", "serve_main"),
     "generate": ("actors.generate", "main"),
-    "trace": ("pipeline.trace_cli", "main"),
+    "trace": ("pipeline.tracing.cli", "main"),
     "bench": ("scripts.bench_engine", "main"),
 }
 

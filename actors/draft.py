@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pipeline.config import EngineConfig
-from pipeline.drafting import build_proposer, draft_step
-from pipeline.proposers.base import Proposal
-from pipeline.step_plan import StepPlan
+from pipeline.draft.base import Proposal
+from pipeline.draft.step import build_proposer, draft_step
+from pipeline.engine.step_plan import StepPlan
 
 
 class DraftWorker:

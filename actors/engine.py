@@ -1,4 +1,4 @@
-"""Engine: an async Ray actor that runs pipeline.engine_core's step loop over actor stages.
+"""Engine: an async Ray actor that runs pipeline.engine.core's step loop over actor stages.
 
 `start_engine(config)` creates it; it creates its stage actors (a DraftWorker, one TargetVerifier
 per TP rank in a placement group, an OutputActor). When a stage fails, in-flight requests end
@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import EngineConfig
-from pipeline.engine_core import EngineCore
+from pipeline.engine.core import EngineCore
+from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineDeadError, EngineOverloadedError
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.request_output import RequestOutput
-from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
-from pipeline.tracing import context_from_traceparent
+from pipeline.tracing.otel import context_from_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class Engine:
 
     async def start(self) -> dict[str, Any]:
         from pipeline.gc_tuning import tune_gc
-        from pipeline.tracing import get_tracer, setup_tracing
+        from pipeline.tracing.otel import get_tracer, setup_tracing
 
         setup_tracing("specrelay-engine", self.config.tracing)  # config, else OTEL_* environment
         self.tracer = get_tracer()

@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pipeline.errors import EngineDeadError
+from pipeline.frontend.background import fire_and_forget
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.request_output import RequestOutput
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -83,17 +84,3 @@ class EngineClient:
             return await getattr(self.handle, method).remote()
         except Exception as e:  # noqa: BLE001
             raise unwrap(e) from None
-
-
-_background: set[asyncio.Task] = set()
-
-
-def fire_and_forget(coro: Any) -> None:
-    """Run `coro` outside the caller's (possibly cancelled) task; keep a reference until done."""
-    try:
-        task = asyncio.get_running_loop().create_task(coro)
-    except RuntimeError:  # no loop (interpreter shutting down): nothing to run it on
-        coro.close()
-        return
-    _background.add(task)
-    task.add_done_callback(_background.discard)

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from actors.engine import start_engine, stop_engine
-    from pipeline.runners import load_engine_tokenizer
+    from pipeline.models.runners import load_engine_tokenizer
 
     args = parse_args(list(argv or []))
     config = load_config(args.config, overrides(args.set))

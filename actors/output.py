@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from pipeline.config import EngineConfig
-from pipeline.request_output import RequestOutput
-from pipeline.step_plan import NewRequest
+from pipeline.engine.step_plan import NewRequest
+from pipeline.output.request_output import RequestOutput
 
 
 class OutputActor:
     def __init__(self, config: EngineConfig) -> None:
         from pipeline.gc_tuning import tune_gc
-        from pipeline.output import OutputProcessor
-        from pipeline.output_tracing import TracedOutputProcessor
-        from pipeline.runners import load_engine_tokenizer
-        from pipeline.tracing import setup_tracing
+        from pipeline.models.runners import load_engine_tokenizer
+        from pipeline.output.processor import OutputProcessor
+        from pipeline.output.tracing import TracedOutputProcessor
+        from pipeline.tracing.otel import setup_tracing
 
         setup_tracing("specrelay-output", config.tracing)  # config, else the OTEL_* environment
         from pipeline.tokenizer import eos_token_ids

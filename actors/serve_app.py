@@ -25,7 +25,7 @@ from typing import Any
 from ray import serve
 
 from actors.engine_client import EngineClient
-from actors.server import API_KEY_ENV, ServerSettings, create_app
+from pipeline.frontend.app import API_KEY_ENV, ServerSettings, create_app
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ class SpecrelayServer:
                        settings: dict[str, Any]) -> None:
         from actors.engine import start_engine
         from pipeline.config import load_config
-        from pipeline.runners import load_engine_tokenizer
-        from pipeline.tracing import setup_tracing
+        from pipeline.models.runners import load_engine_tokenizer
+        from pipeline.tracing.otel import setup_tracing
 
         loopback_replica_grpc()
         config = load_config(resolve_config_path(config_path), overrides)

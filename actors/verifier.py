@@ -12,9 +12,9 @@ import socket
 
 from actors.draft import _set_threads
 from pipeline.config import EngineConfig
-from pipeline.proposers.base import Proposal
-from pipeline.step_plan import StepOutcome, StepPlan
-from pipeline.verifier import Verifier
+from pipeline.draft.base import Proposal
+from pipeline.engine.step_plan import StepOutcome, StepPlan
+from pipeline.verify.verifier import Verifier
 
 
 class TargetVerifier:
@@ -35,7 +35,7 @@ class TargetVerifier:
 
     def load(self, init_method: str | None) -> dict:
         """Join the TP group (when world > 1), load this rank's shard; returns model facts."""
-        from pipeline.runners import build_runner
+        from pipeline.models.runners import build_runner
 
         world = self.config.tensor_parallel_size
         if world > 1:

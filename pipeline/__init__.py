@@ -1,6 +1,6 @@
 """specrelay's logic: everything that is not Ray. Importable and testable without a cluster."""
 
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.request_output import RequestOutput
 
 __all__ = ["RequestOutput", "SamplingParams"]

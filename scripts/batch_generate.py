@@ -27,9 +27,9 @@ from typing import Any
 # `ray job submit` runs this file by path; make the repository's packages importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.server import TokenizerAdapter
-from pipeline import openai_protocol as proto
 from pipeline.errors import EngineOverloadedError
+from pipeline.frontend import openai_api as proto
+from pipeline.frontend.app import TokenizerAdapter
 from pipeline.params import SamplingParams
 
 DEFAULT_CONFIG = "configs/smollm2-cpu.yaml"
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     from actors.engine import start_engine, stop_engine
     from actors.engine_client import EngineClient
     from pipeline.config import load_config
-    from pipeline.runners import load_engine_tokenizer
+    from pipeline.models.runners import load_engine_tokenizer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     config_path = args.config

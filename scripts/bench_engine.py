@@ -98,8 +98,8 @@ class Clock:
 
 
 def timed_stages(clock: Clock, proposer: Any, verifier: Any, output: Any) -> Any:
-    from pipeline.drafting import draft_step
-    from pipeline.local_engine import LocalStages
+    from pipeline.draft.step import draft_step
+    from pipeline.engine.local import LocalStages
 
     class TimedStages(LocalStages):
         async def run_step(self, plan: Any) -> Any:
@@ -337,7 +337,7 @@ class LocalBench:
     """One target runner shared by an engine per mode (draft: none, ngram, model)."""
 
     def __init__(self, config: Any, args: argparse.Namespace) -> None:
-        from pipeline.runners import build_runner
+        from pipeline.models.runners import build_runner
 
         self.config = config
         self.args = args
@@ -355,11 +355,11 @@ class LocalBench:
         return self.cores[mode]
 
     def _build(self, mode: str) -> Any:
-        from pipeline.engine_core import EngineCore
-        from pipeline.local_engine import make_output_processor
-        from pipeline.proposers.draft_model import DraftModelProposer
+        from pipeline.draft.model import DraftModelProposer
+        from pipeline.engine.core import EngineCore
+        from pipeline.engine.local import make_output_processor
         from pipeline.tokenizer import eos_token_ids
-        from pipeline.verifier import Verifier
+        from pipeline.verify.verifier import Verifier
 
         k = {"none": 0, "ngram": self.args.ngram_k}.get(mode, self.args.k)
         # The draft model is built here (layer skip), so the config only names a placeholder.
@@ -372,7 +372,7 @@ class LocalBench:
                 self.clock.wrap_forward(self.draft_runner, "draft_forward")
             proposer: Any = DraftModelProposer(self.draft_runner)
         else:
-            from pipeline.drafting import build_proposer
+            from pipeline.draft.step import build_proposer
 
             proposer = build_proposer(cfg)
         output = make_output_processor(self.tokenizer, eos_token_ids(self.tokenizer))

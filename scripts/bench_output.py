@@ -12,7 +12,7 @@ time and as this process's CPU time (on a shared machine the CPU time is the ste
 counts the tokenizer's threads too). TOKENIZERS_PARALLELISM defaults to false here: one step's batch
 decode is ~1 us per request, too small for the tokenizer's thread pool to pay off (set it to true in
 the environment to compare). `make_processor` is the one place that builds the processor under test, so
-a traced variant (pipeline.output_tracing.TracedOutputProcessor) is a one-line change there.
+a traced variant (pipeline.output.tracing.TracedOutputProcessor) is a one-line change there.
 The garbage collector is set as in the output actor (pipeline.gc_tuning); `--gc default` keeps
 CPython's settings, for comparison.
 """
@@ -32,7 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pipeline.gc_tuning import tune_gc
-from pipeline.output import OutputProcessor
+from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
 
@@ -49,8 +49,8 @@ def make_processor(tokenizer, args: argparse.Namespace):
     # drops them, so this measures recording, not export.
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from pipeline.output_tracing import TracedOutputProcessor
-    from pipeline.tracing import make_provider, resolve_config
+    from pipeline.output.tracing import TracedOutputProcessor
+    from pipeline.tracing.otel import make_provider, resolve_config
 
     class Discard(SpanExporter):
         def export(self, spans):

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pipeline.config import load_config
-    from pipeline.local_engine import build_local_engine, collect
+    from pipeline.engine.local import build_local_engine, collect
     from pipeline.params import SamplingParams
 
     p = argparse.ArgumentParser()

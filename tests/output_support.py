@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
-from pipeline.output import OutputProcessor
+from pipeline.output.processor import OutputProcessor
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.protocol import VerifyStep, encode
-from pipeline.request_output import RequestOutput
 
 EOS, STOP, PLAIN_ADDED = 0, 1, 2  # tiny tokenizer: special <eos>, special <stop>, non-special <x>
 
@@ -203,7 +203,7 @@ def reference(
     """The finish rules straight from their definition, re-decoding the whole prefix per token.
 
     `decode(ids, skip_special_tokens) -> str`; `byte_tokens`: a byte-fallback tokenizer's byte
-    tokens, whose trailing run's text is not committed (pipeline.detokenizer)."""
+    tokens, whose trailing run's text is not committed (pipeline.output.detokenizer)."""
     skip = params.skip_special_tokens
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
     prev_len = 0  # len(S(p-1))

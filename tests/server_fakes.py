@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import EngineOverloadedError
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.request_output import RequestOutput
 
 EOS = 3
 SCRIPT = "Hello world! This is the fake engine speaking. "

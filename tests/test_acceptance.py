@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pipeline.acceptance import accept, greedy_accept, rejection_accept
 from pipeline.params import SamplingParams
 from pipeline.sampling import SamplingTensors, process_logits, sample_from_weights
+from pipeline.verify.acceptance import accept, greedy_accept, rejection_accept
 
 # -- greedy ------------------------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
-"""pipeline.detokenizer: batch decoding, stop-string search and hold-back, bounded decode windows."""
+"""pipeline.output.detokenizer: batch decoding, stop-string search and hold-back, bounded decode windows."""
 
 from __future__ import annotations
 
 from output_support import EOS, PLAIN_ADDED, STOP, byte_id, piece_id, text_ids, tiny_tokenizer
 
-from pipeline.detokenizer import Detokenizer, StopStrings
-from pipeline.output import OutputProcessor
+from pipeline.output.detokenizer import Detokenizer, StopStrings
+from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import VerifyStep, encode
 

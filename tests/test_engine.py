@@ -8,14 +8,14 @@ import time
 
 import pytest
 import torch
+from reference_decode import greedy_reference
 
 from pipeline.config import load_config
-from pipeline.engine_core import EngineCore
+from pipeline.engine.core import EngineCore
+from pipeline.engine.local import LocalStages, build_local_engine, collect
 from pipeline.errors import EngineDeadError, EngineOverloadedError
-from pipeline.local_engine import LocalStages, build_local_engine, collect
+from pipeline.models.runners import build_runner, tiny_tokenizer
 from pipeline.params import SamplingParams
-from pipeline.reference import greedy_reference
-from pipeline.runners import build_runner, tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -315,8 +315,8 @@ def test_engine_step_span_parents_the_output_verify_step_span():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from pipeline.output import OutputProcessor
-    from pipeline.output_tracing import TracedOutputProcessor
+    from pipeline.output.processor import OutputProcessor
+    from pipeline.output.tracing import TracedOutputProcessor
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -8,14 +8,14 @@ import asyncio
 import time
 
 import pytest
+from reference_decode import greedy_reference
 
 from actors.engine import start_engine, stop_engine
 from actors.engine_client import EngineClient
 from pipeline.config import load_config
 from pipeline.errors import EngineDeadError
+from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
-from pipeline.reference import greedy_reference
-from pipeline.runners import build_runner
 from tests.test_engine import PROMPTS, expected_cut, ids, mixed_requests
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]

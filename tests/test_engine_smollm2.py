@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from reference_decode import greedy_reference
 
 from pipeline.config import load_config
-from pipeline.local_engine import build_local_engine, collect
+from pipeline.engine.local import build_local_engine, collect
 from pipeline.params import SamplingParams
-from pipeline.reference import greedy_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -1,11 +1,11 @@
-"""pipeline.finish.find_finish (the normative finish rules) and pipeline.grammar."""
+"""pipeline.output.finish.find_finish (the normative finish rules) and pipeline.grammar."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.finish import Finish, FinishKind, StopRules, StopStringHit, find_finish
 from pipeline.grammar import TokenSequenceMatcher, choice_grammar, grammar_end
+from pipeline.output.finish import Finish, FinishKind, StopRules, StopStringHit, find_finish
 from pipeline.params import SamplingParams
 
 EOS = 2

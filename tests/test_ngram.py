@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.ngram import propose_ngram
+from pipeline.draft.ngram_lookup import propose_ngram
 
 
 def _arr(xs: list[int]) -> np.ndarray:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import openai_protocol as proto
-from pipeline.request_output import RequestOutput
+from pipeline.frontend import openai_api as proto
+from pipeline.output.request_output import RequestOutput
 
 
 def completion(**kw):

@@ -26,7 +26,7 @@ from output_support import (
 )
 
 from pipeline.grammar import choice_grammar
-from pipeline.output import OutputProcessor
+from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import ProtocolError, VerifyStep, encode
 

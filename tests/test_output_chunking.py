@@ -25,8 +25,8 @@ from output_support import (
     token_top,
 )
 
-from pipeline.detokenizer import Detokenizer
-from pipeline.output import OutputProcessor
+from pipeline.output.detokenizer import Detokenizer
+from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import encode
 from pipeline.tiny_tokenizer import ByteTokenizer

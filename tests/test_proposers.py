@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_decode import greedy_reference
 
 from pipeline.config import load_config
-from pipeline.drafting import build_proposer, draft_step
+from pipeline.draft.model import DraftModelProposer
+from pipeline.draft.ngram import NgramProposer
+from pipeline.draft.none import NoProposer
+from pipeline.draft.step import build_proposer, draft_step
+from pipeline.engine.step_plan import NewRequest, StepPlan
+from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
-from pipeline.proposers.draft_model import DraftModelProposer
-from pipeline.proposers.ngram import NgramProposer
-from pipeline.proposers.none import NoProposer
-from pipeline.reference import greedy_reference
-from pipeline.runners import build_runner
-from pipeline.step_plan import NewRequest, StepPlan
 
 GREEDY = SamplingParams()
 

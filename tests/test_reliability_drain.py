@@ -16,7 +16,7 @@ from server_fakes import ByteTok, FakeEngine
 from test_helm import pod_specs, ray_container, render_drain
 
 from actors.serve_app import DRAIN_GRACE_S, SpecrelayServer, build_app
-from actors.server import ServerSettings, create_app
+from pipeline.frontend.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.timeout(120)
 

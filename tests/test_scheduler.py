@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.step_plan import StepOutcome
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
-from pipeline.scheduler import Scheduler
-from pipeline.step_plan import StepOutcome
 
 
 def make(num_slots=2, max_waiting=3, max_model_len=32, k=4) -> Scheduler:

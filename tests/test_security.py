@@ -23,9 +23,9 @@ from schemathesis.core.parameters import ParameterLocation
 from schemathesis.generation import GenerationMode
 from server_fakes import ByteTok, FakeEngine
 
-from actors.server import ROUTES, ServerSettings, create_app
-from pipeline import openai_protocol as proto
 from pipeline import protocol
+from pipeline.frontend import openai_api as proto
+from pipeline.frontend.app import ROUTES, ServerSettings, create_app
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -189,7 +189,7 @@ def test_every_route_but_health_needs_the_key():
 
 def test_key_compare_is_constant_time():
     """The guard compares with hmac.compare_digest and never with == on the key."""
-    tree = ast.parse((ROOT / "actors" / "server.py").read_text())
+    tree = ast.parse((ROOT / "pipeline" / "frontend" / "app.py").read_text())
     guard = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "_Guard")
     src = ast.unparse(guard)
     assert "hmac.compare_digest(given, self.key)" in src

@@ -13,7 +13,7 @@ import openai
 import pytest
 from server_fakes import EOS, SCRIPT, ByteTok, FakeEngine, fake_logprob
 
-from actors.server import ServerSettings, create_app
+from pipeline.frontend.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,8 @@ import ray.exceptions as rex
 
 from actors.engine_client import EngineClient, unwrap
 from pipeline.errors import EngineDeadError, EngineOverloadedError
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.request_output import RequestOutput
 
 
 def test_unwrap_gives_the_engine_error_and_maps_dead_actors():

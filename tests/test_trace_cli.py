@@ -7,8 +7,8 @@ import json
 import pytest
 from test_tracing_output import EOS, run_scenario, toks
 
-from pipeline.trace_cli import main
-from pipeline.trace_file import JsonLinesSpanExporter
+from pipeline.tracing.cli import main
+from pipeline.tracing.trace_file import JsonLinesSpanExporter
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_reads_base64_ids_and_rejects_garbage(tmp_path, capsys):
     }
     good = tmp_path / "b64.jsonl"
     good.write_text(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}) + "\n")
-    from pipeline.trace_file import read_spans
+    from pipeline.tracing.trace_file import read_spans
 
     (rec,) = read_spans([str(good)])
     assert (rec.trace_id, rec.span_id) == ("5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from serve_helpers import ROOT, running_app
 
-from pipeline.trace_file import read_spans
+from pipeline.tracing.trace_file import read_spans
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

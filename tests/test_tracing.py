@@ -1,4 +1,4 @@
-"""pipeline.tracing set-up and exporters: OTLP over HTTP and gRPC reach a receiver, the JSON-lines
+"""pipeline.tracing.otel set-up and exporters: OTLP over HTTP and gRPC reach a receiver, the JSON-lines
 file is the OTLP/JSON encoding, and a traceparent crosses a real process boundary."""
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pipeline.trace_file import JsonLinesSpanExporter, read_spans, spans_to_otlp_json
-from pipeline.tracing import (
+from pipeline.tracing.otel import (
     context_from_traceparent,
     make_exporter,
     make_provider,
     resolve_config,
     traceparent_of,
 )
+from pipeline.tracing.trace_file import JsonLinesSpanExporter, read_spans, spans_to_otlp_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,8 +127,8 @@ def test_traceparent_round_trip_and_bad_input():
 
 CHILD = """
 import sys
-from pipeline.tracing import get_tracer, setup_tracing, shutdown_tracing, context_from_traceparent
-from pipeline.tracing import traceparent_of
+from pipeline.tracing.otel import get_tracer, setup_tracing, shutdown_tracing, context_from_traceparent
+from pipeline.tracing.otel import traceparent_of
 p1 = setup_tracing("verifier")
 p2 = setup_tracing("something-else", {"sample_ratio": 0.0})
 assert p1 is p2, "setup_tracing must be idempotent"

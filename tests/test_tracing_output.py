@@ -13,11 +13,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline import SamplingParams
-from pipeline.output import OutputProcessor
-from pipeline.output_tracing import TracedOutputProcessor, matched_from_attributes
+from pipeline.output.processor import OutputProcessor
+from pipeline.output.request_output import RequestOutput
+from pipeline.output.tracing import TracedOutputProcessor, matched_from_attributes
 from pipeline.protocol import ProtocolError, VerifyStep, encode
-from pipeline.request_output import RequestOutput
-from pipeline.tracing import make_provider, resolve_config, traceparent_of
+from pipeline.tracing.otel import make_provider, resolve_config, traceparent_of
 
 EOS = 2
 

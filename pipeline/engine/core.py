@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.config import EngineConfig
+from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineDeadError
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.request_output import RequestOutput
-from pipeline.scheduler import Scheduler
-from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
 
 
 class Stages(Protocol):
@@ -214,7 +214,7 @@ class EngineCore:
         actor's `spec.verify_step` span joins the same trace."""
         if self.tracer is None or not plan.rids:
             return None
-        from pipeline.tracing import traceparent_of
+        from pipeline.tracing.otel import traceparent_of
 
         span = self.tracer.start_span("spec.engine_step", attributes={
             "spec.step": plan.step, "spec.batch_size": len(plan.rids),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pipeline.draft.base import Proposal, Proposer
 from pipeline.params import SamplingParams
-from pipeline.proposers.base import Proposal, Proposer
 
 
 class NoProposer(Proposer):

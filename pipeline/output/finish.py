@@ -7,7 +7,7 @@ returns the earliest position `f` at which a condition holds, or None:
   `>= min_new_tokens` (earlier ones are ordinary tokens);
 - stop string: the earliest completion of any stop string in the decoded output (`f` is the token
   holding its last character). Text is not a function of the window alone, so the caller finds it
-  (`pipeline.detokenizer.find_stop_string`) and passes it in;
+  (`pipeline.output.detokenizer.find_stop_string`) and passes it in;
 - grammar: the request's grammar accepts no more tokens after `t` (`pipeline.grammar.grammar_end`);
 - length: position `max_new_tokens - 1`.
 

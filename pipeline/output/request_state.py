@@ -3,7 +3,7 @@
 Invariants (between steps):
 - `output_ids` holds exactly the retained output; once finished, `len(output_ids) == finished_len`.
 - `logprobs_sent == len(output_ids)`: every retained token's logprob went out in exactly one delta.
-- Text: everything emitted + `text.pending` == the committed text (see pipeline.detokenizer).
+- Text: everything emitted + `text.pending` == the committed text (see pipeline.output.detokenizer).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from pipeline.finish import StopRules
+from pipeline.output.finish import StopRules
 from pipeline.params import SamplingParams
 
 
@@ -80,7 +80,7 @@ class RequestState:
     last_step: int = -1  # newest step applied: a replayed or stale step is dropped, not re-applied
     logprobs_sent: int = 0
     text: TextState | None = None  # None when the processor has no tokenizer
-    stops: Any = None  # a pipeline.detokenizer.StopStrings, or None without stop strings
+    stops: Any = None  # a pipeline.output.detokenizer.StopStrings, or None without stop strings
     grammar: Any = None  # a pipeline.grammar.GrammarMatcher, or None
     stats: SpecStats = field(default_factory=SpecStats)
 

@@ -12,7 +12,7 @@ Span and attribute names are DESIGN's. Added here (documented for `specrelay tra
   `finish.matched_kind` says which ("string" or "token_id") so a reader can give back the exact
   `matched_stop`. Both are omitted when nothing was matched (length, abort).
 
-Cost: spans are built by `pipeline.tracing.SpanRecorder` (the SDK's sampler, ids and processors,
+Cost: spans are built by `pipeline.tracing.otel.SpanRecorder` (the SDK's sampler, ids and processors,
 without its per-value validation). Per step: one span, a few C-level passes over the batch (links,
 the finished outputs, the arrays); nothing per token. A step whose span is not sampled builds no
 attribute, event or link; a request whose span is not sampled is never linked. Not thread-safe,
@@ -28,10 +28,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import Link, SpanKind
 
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, decode_columns
-from pipeline.request_output import RequestOutput
-from pipeline.tracing import OpenSpan, SpanRecorder, context_from_traceparent, get_tracer
+from pipeline.tracing.otel import OpenSpan, SpanRecorder, context_from_traceparent, get_tracer
 
 REQUEST_SPAN = "spec.request"
 STEP_SPAN = "spec.verify_step"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pipeline.config import EngineConfig
-from pipeline.proposers.base import Proposal, Proposer
-from pipeline.step_plan import StepPlan
+from pipeline.draft.base import Proposal, Proposer
+from pipeline.engine.step_plan import StepPlan
 
 
 def draft_step(proposer: Proposer, plan: StepPlan) -> Proposal:
@@ -24,20 +24,20 @@ def build_proposer(config: EngineConfig) -> Proposer:
 
 
 def _ngram(config: EngineConfig) -> Proposer:
-    from pipeline.proposers.ngram import NgramProposer
+    from pipeline.draft.ngram import NgramProposer
 
     return NgramProposer(config.ngram_min_n, config.ngram_max_n)
 
 
 def _model(config: EngineConfig) -> Proposer:
-    from pipeline.proposers.draft_model import DraftModelProposer
-    from pipeline.runners import build_runner
+    from pipeline.draft.model import DraftModelProposer
+    from pipeline.models.runners import build_runner
 
     return DraftModelProposer(build_runner(config, role="draft"))
 
 
 def _none(config: EngineConfig) -> Proposer:
-    from pipeline.proposers.none import NoProposer
+    from pipeline.draft.none import NoProposer
 
     return NoProposer()
 

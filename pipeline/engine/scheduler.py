@@ -17,9 +17,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
-from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
 
 
 class Status(Enum):

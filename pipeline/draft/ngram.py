@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.ngram import propose_ngram
+from pipeline.draft.base import Proposal, Proposer
+from pipeline.draft.ngram_lookup import propose_ngram
 from pipeline.params import SamplingParams
-from pipeline.proposers.base import Proposal, Proposer
 
 
 class NgramProposer(Proposer):

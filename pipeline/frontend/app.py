@@ -4,7 +4,7 @@ No Ray here: the app talks to any object with the engine client API (`generate`,
 `health`, `model_info`), so tests run it in-process with a fake engine, and `actors.serve_app`
 mounts it in a Ray Serve deployment. Request flow:
 
-    read body (size-limited) -> validate (pipeline.openai_protocol) -> tokenize -> one engine
+    read body (size-limited) -> validate (pipeline.frontend.openai_api) -> tokenize -> one engine
     request per choice -> wait for every choice's first delta (so 429/408 are real statuses)
     -> JSON response or SSE stream, racing a client-disconnect watcher and the deadline.
 """
@@ -25,13 +25,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.engine_client import fire_and_forget
-from pipeline import openai_protocol as proto
 from pipeline.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
-from pipeline.metrics import CONTENT_TYPE, ServerMetrics
+from pipeline.frontend import openai_api as proto
+from pipeline.frontend.background import fire_and_forget
+from pipeline.frontend.metrics import CONTENT_TYPE, ServerMetrics
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.request_output import RequestOutput
-from pipeline.tracing import context_from_traceparent, get_tracer, traceparent_of
+from pipeline.tracing.otel import context_from_traceparent, get_tracer, traceparent_of
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "SPECRELAY_API_KEY"

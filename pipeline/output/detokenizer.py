@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.request_state import TextState
+from pipeline.output.request_state import TextState
 
 REPLACEMENT = "\ufffd"
 

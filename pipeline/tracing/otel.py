@@ -149,7 +149,7 @@ def make_exporter(cfg: TracingConfig) -> SpanExporter | None:
     if cfg.exporter == "console":
         return ConsoleSpanExporter(service_name=cfg.service_name)
     if cfg.exporter == "file":
-        from pipeline.trace_file import JsonLinesSpanExporter
+        from pipeline.tracing.trace_file import JsonLinesSpanExporter
 
         return JsonLinesSpanExporter(cfg.file)
     if cfg.otlp_protocol == "grpc":

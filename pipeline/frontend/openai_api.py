@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import MAX_LOGPROBS, MAX_NEW_TOKENS_LIMIT, MAX_SEED, SamplingParams
-from pipeline.request_output import RequestOutput
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts per batched completions request

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import EngineConfig
-from pipeline.drafting import build_proposer, draft_step
-from pipeline.engine_core import EngineCore
+from pipeline.draft.base import Proposer
+from pipeline.draft.step import build_proposer, draft_step
+from pipeline.engine.core import EngineCore
+from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.proposers.base import Proposer
-from pipeline.request_output import RequestOutput
-from pipeline.step_plan import NewRequest, StepOutcome, StepPlan
-from pipeline.verifier import Verifier
+from pipeline.verify.verifier import Verifier
 
 
 class LocalStages:
@@ -46,7 +46,7 @@ class LocalStages:
 
 
 def make_output_processor(tokenizer: Any, eos_token_ids: list[int]) -> Any:
-    from pipeline.output import OutputProcessor
+    from pipeline.output.processor import OutputProcessor
 
     return OutputProcessor(tokenizer, eos_token_ids)
 
@@ -54,7 +54,7 @@ def make_output_processor(tokenizer: Any, eos_token_ids: list[int]) -> Any:
 def build_local_engine(config: EngineConfig, runner: Any = None) -> EngineCore:
     """An EngineCore over in-process stages (tensor_parallel_size must be 1). `runner` reuses a
     loaded target (its slots must be free; engines sharing it must not run at the same time)."""
-    from pipeline.runners import build_runner
+    from pipeline.models.runners import build_runner
 
     if config.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: the in-process engine runs one rank; use Ray")

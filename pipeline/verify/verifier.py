@@ -14,13 +14,13 @@ import time
 import numpy as np
 import torch
 
-from pipeline.acceptance import AcceptanceResult, accept
+from pipeline.draft.base import Proposal
+from pipeline.engine.step_plan import StepOutcome, StepPlan
 from pipeline.models.runner import ModelRunner
 from pipeline.params import SamplingParams
-from pipeline.proposers.base import Proposal
 from pipeline.protocol import StepColumns, encode_columns
 from pipeline.sampling import SamplingTensors
-from pipeline.step_plan import StepOutcome, StepPlan
+from pipeline.verify.acceptance import AcceptanceResult, accept
 
 
 class Verifier:

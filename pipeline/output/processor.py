@@ -6,7 +6,7 @@ One step, in passes over the batch (nothing is per token in Python on the common
    any state changes; a vectorised stop-token/EOS mask over the step's flat token array marks the
    few windows that might finish, together with `window >= remaining` (length: one int compare in
    the rid lookup loop that runs anyway; gathering the counters into an array would cost the same);
-2. for those, grammar matchers are fed and `pipeline.finish.find_finish` gives the token-level
+2. for those, grammar matchers are fed and `pipeline.output.finish.find_finish` gives the token-level
    finish; the window is cut there;
 3. one batched decode of the (cut) windows of all requests with text; stop strings are searched in
    the new text only and map back to their token only when they match, which may cut the window
@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.detokenizer import REPLACEMENT, DecodedWindow, Detokenizer, StopStrings
-from pipeline.finish import Finish, FinishKind, StopRules, StopStringHit, find_finish
 from pipeline.grammar import grammar_end
+from pipeline.output.detokenizer import REPLACEMENT, DecodedWindow, Detokenizer, StopStrings
+from pipeline.output.finish import Finish, FinishKind, StopRules, StopStringHit, find_finish
+from pipeline.output.request_output import RequestOutput
+from pipeline.output.request_state import RequestState, RequestStatus, TextState
 from pipeline.params import SamplingParams
 from pipeline.protocol import ProtocolError, StepColumns, decode_columns
-from pipeline.request_output import RequestOutput
-from pipeline.request_state import RequestState, RequestStatus, TextState
 
 FINISHED_MEMORY = 1 << 16  # finished rids remembered to tell late steps from unknown requests
 STOP_TABLE_MAX = 1 << 22  # stop ids below this are found with a bool lookup table
@@ -42,7 +42,7 @@ _STATUS = {
 
 
 class OutputProcessor:
-    """Turns verify steps into RequestOutput deltas; see DESIGN.md, *Contract: pipeline.output*.
+    """Turns verify steps into RequestOutput deltas; see DESIGN.md, *Contract: pipeline.output.processor*.
 
     `tokenizer=None` turns text off (deltas carry ids and logprobs only; stop strings are refused).
     """

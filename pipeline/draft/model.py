@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.draft.base import Proposal, Proposer
 from pipeline.models.runner import ModelRunner
 from pipeline.params import SamplingParams
-from pipeline.proposers.base import Proposal, Proposer
 from pipeline.sampling import STREAM_DRAFT, SamplingTensors, sample_tokens
 
 

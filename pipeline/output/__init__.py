@@ -1,0 +1,6 @@
+"""The output stage: per-request finish, text, logprobs and speculative statistics for each VerifyStep."""
+
+from pipeline.output.processor import OutputProcessor
+from pipeline.output.request_output import RequestOutput
+
+__all__ = ["OutputProcessor", "RequestOutput"]

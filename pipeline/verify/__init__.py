@@ -1,0 +1,1 @@
+"""The verify stage: target logits over the drafted positions, acceptance, the VerifyStep message."""
