@@ -14,6 +14,11 @@ def make(num_slots=2, max_waiting=3, max_model_len=32, k=4) -> Scheduler:
     return Scheduler(num_slots, max_waiting, max_model_len, k, vocab_size=100)
 
 
+def add(s: Scheduler, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Queue a request the way the engine does (validate, then enqueue)."""
+    s.enqueue(s.prepare(rid, prompt_ids, params))
+
+
 def outcome(plan, tokens_per_rid):
     rids = plan.rids
     return StepOutcome(plan.step, rids, [tokens_per_rid[r] for r in rids],
@@ -23,7 +28,7 @@ def outcome(plan, tokens_per_rid):
 def test_admits_fifo_up_to_free_slots_and_queues_the_rest():
     s = make()
     for rid in "abc":
-        s.add(rid, [1, 2], SamplingParams(max_new_tokens=5))
+        add(s, rid, [1, 2], SamplingParams(max_new_tokens=5))
     plan = s.schedule()
     assert [n.rid for n in plan.new] == ["a", "b"] and plan.decode == []
     assert [r.rid for r in s.waiting] == ["c"] and s.free_slots == 0
@@ -31,15 +36,15 @@ def test_admits_fifo_up_to_free_slots_and_queues_the_rest():
 
 def test_queue_full_raises_overloaded():
     s = make(max_waiting=1)
-    s.add("a", [1], SamplingParams())
+    add(s, "a", [1], SamplingParams())
     with pytest.raises(EngineOverloadedError, match="full"):
-        s.add("b", [1], SamplingParams())
+        add(s, "b", [1], SamplingParams())
 
 
 def test_finished_request_is_released_in_the_next_plan_and_its_slot_reused():
     s = make(num_slots=1)
-    s.add("a", [1, 2], SamplingParams(max_new_tokens=5))
-    s.add("b", [3], SamplingParams(max_new_tokens=5))
+    add(s, "a", [1, 2], SamplingParams(max_new_tokens=5))
+    add(s, "b", [3], SamplingParams(max_new_tokens=5))
     plan = s.schedule()
     s.apply(outcome(plan, {"a": [7]}))
     s.finish("a")
@@ -50,7 +55,7 @@ def test_finished_request_is_released_in_the_next_plan_and_its_slot_reused():
 
 def test_decode_plan_carries_last_token_kv_len_and_commits():
     s = make()
-    s.add("a", [1, 2, 3], SamplingParams(max_new_tokens=10))
+    add(s, "a", [1, 2, 3], SamplingParams(max_new_tokens=10))
     s.apply(outcome(s.schedule(), {"a": [9]}))
     plan = s.schedule()
     assert plan.decode == ["a"] and plan.last_tokens == [9] and plan.kv_lens == [3]
@@ -62,20 +67,20 @@ def test_decode_plan_carries_last_token_kv_len_and_commits():
 
 def test_drafts_capped_by_remaining_output_and_max_model_len():
     s = make(max_model_len=8)
-    s.add("a", [1, 2, 3], SamplingParams(max_new_tokens=100))
+    add(s, "a", [1, 2, 3], SamplingParams(max_new_tokens=100))
     assert s.running == {} and s.waiting[0].params.max_new_tokens == 5  # 8 - 3 prompt tokens
     s.apply(outcome(s.schedule(), {"a": [9]}))
     s.apply(outcome(s.schedule(), {"a": [1, 1]}))  # 3 outputs, seq len 6
     assert s.schedule().ks == [1]  # only 2 more tokens may be kept: 1 draft + 1
     s2 = make(max_model_len=100, k=4)
-    s2.add("b", [1], SamplingParams(max_new_tokens=3))
+    add(s2, "b", [1], SamplingParams(max_new_tokens=3))
     s2.apply(outcome(s2.schedule(), {"b": [9]}))
     assert s2.schedule().ks == [1]
 
 
 def test_request_at_its_cap_is_not_scheduled_until_its_finish_arrives():
     s = make()
-    s.add("a", [1], SamplingParams(max_new_tokens=1))
+    add(s, "a", [1], SamplingParams(max_new_tokens=1))
     s.apply(outcome(s.schedule(), {"a": [9]}))
     assert s.schedule() is None
     s.finish("a")
@@ -86,8 +91,8 @@ def test_request_at_its_cap_is_not_scheduled_until_its_finish_arrives():
 
 def test_abort_of_waiting_request_removes_it_from_the_queue():
     s = make(num_slots=1)
-    s.add("a", [1], SamplingParams())
-    s.add("b", [1], SamplingParams())
+    add(s, "a", [1], SamplingParams())
+    add(s, "b", [1], SamplingParams())
     s.schedule()
     assert s.finish("b").rid == "b" and not s.waiting
     assert s.finish("zzz") is None
@@ -97,11 +102,11 @@ def test_abort_of_waiting_request_removes_it_from_the_queue():
     ([], "at least one"), ([1] * 32, "no room"), ([1, 100], "outside"), ([-1], "outside")])
 def test_bad_prompts_are_refused(prompt, msg):
     with pytest.raises(ValueError, match=msg):
-        make().add("a", prompt, SamplingParams())
+        add(make(), "a", prompt, SamplingParams())
 
 
 def test_duplicate_request_id_is_refused():
     s = make()
-    s.add("a", [1], SamplingParams())
+    add(s, "a", [1], SamplingParams())
     with pytest.raises(ValueError, match="already"):
-        s.add("a", [1], SamplingParams())
+        add(s, "a", [1], SamplingParams())

@@ -28,10 +28,6 @@ class Proposal:
     tokens: list[list[int]]
     probs: list[torch.Tensor | None] | None = None
 
-    @property
-    def num_drafted(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
 
 class Proposer(ABC):
     @abstractmethod
@@ -49,7 +45,3 @@ class Proposer(ABC):
     @abstractmethod
     def remove(self, rid: str) -> None:
         """Forget a request and free what it held; unknown rids are ignored."""
-
-    def num_free(self) -> int | None:
-        """Free request slots, or None when the proposer has no slot limit."""
-        return None

@@ -38,9 +38,6 @@ class DraftModelProposer(Proposer):
         slot = self.runner.allocate()
         self._seqs[rid] = _DraftSeq(slot, params, len(prompt_ids), list(prompt_ids))
 
-    def num_free(self) -> int | None:
-        return self.runner.num_free()
-
     def propose(self, rids: list[str], ks: list[int]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in rids]
         probs: list[list[torch.Tensor]] = [[] for _ in rids]

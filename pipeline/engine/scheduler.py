@@ -69,10 +69,6 @@ class Scheduler:
         self._step = 0
 
     # --- requests in and out --------------------------------------------------------------
-    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
-        """Queue a request; EngineOverloadedError when the waiting queue is full."""
-        return self.enqueue(self.prepare(rid, prompt_ids, params))
-
     def prepare(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
         """Validate a request and cap its output at max_model_len; queues nothing.
         Raises ValueError (bad prompt, id in use) or EngineOverloadedError (queue full)."""
@@ -121,14 +117,14 @@ class Scheduler:
         return req
 
     # --- one step -------------------------------------------------------------------------
-    def schedule(self, traceparent: str | None = None) -> StepPlan | None:
+    def schedule(self) -> StepPlan | None:
         """The next step's plan (release, admit FIFO into free slots, verify the rest); a
         release-only plan when only slots are left to free; None when there is nothing to do."""
         decode = [r for r in self.running.values() if self._steppable(r)]
         admit = min(len(self.waiting), self.num_slots - len(self.running))
         if not decode and admit <= 0 and not self._release:
             return None
-        plan = StepPlan(step=self._step, release=self._release, traceparent=traceparent)
+        plan = StepPlan(step=self._step, release=self._release)
         self._step += 1
         self._release = []
         for req in self.running.values():

@@ -49,7 +49,3 @@ class StepOutcome:
     tokens: list[list[int]]  # accepted drafts + target token, per rid (before finish truncation)
     drafted: list[int]
     payload: Any = b""  # the msgpack message (bytes), or under Ray an object ref to it
-
-    @property
-    def num_accepted(self) -> int:
-        return sum(len(t) - 1 for t, d in zip(self.tokens, self.drafted) if d > 0)
