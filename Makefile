@@ -1,4 +1,5 @@
-# One venv in .venv. CPU machines get the pinned CPU torch first; GPU machines keep/accept newer torch.
+# One venv in .venv. CPU machines get the pinned CPU torch first; GPU machines get the gpu extra's
+# set (torch==2.4.0, what vllm-flash-attn 2.6.2 is built for; Python <= 3.12).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -46,3 +47,4 @@ serve: install
 
 lint: install
 	$(BIN)/ruff check pipeline actors scripts tests
+	$(BIN)/hadolint docker/Dockerfile
