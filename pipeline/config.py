@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from pipeline.gc_tuning import DEFAULT_GEN0_THRESHOLD
+from pipeline.placement import Placement, parse_placement
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT_KINDS = ("ngram", "model", "none")
@@ -45,6 +46,8 @@ class EngineConfig:
     # None leaves CPython's defaults.
     gc_gen0_threshold: int | None = DEFAULT_GEN0_THRESHOLD
     tracing: dict[str, Any] = field(default_factory=dict)
+    # Where the actors go on a multi-node cluster (pipeline.placement); {} = anywhere, ranks PACKed.
+    placement: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)
@@ -78,8 +81,16 @@ class EngineConfig:
             raise ValueError("overlap: must be a boolean")
         if type(self.tracing) is not dict:
             raise ValueError("tracing: must be a mapping")
+        _check_tracing(self.tracing)
+        if type(self.placement) is not dict:
+            raise ValueError("placement: must be a mapping")
+        parse_placement(self.placement)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError("device: must be a device string such as cpu or cuda")
+
+    @property
+    def placement_spec(self) -> Placement:
+        return parse_placement(self.placement)
 
     @property
     def k(self) -> int:
@@ -139,6 +150,17 @@ def tiny_seed(source: str) -> int:
         return int(source.split(":", 1)[1])
     except ValueError:
         raise ValueError(f"model: tiny source must be tiny:<int seed>, got {source!r}") from None
+
+
+def _check_tracing(tracing: dict[str, Any]) -> None:
+    """The section alone, as every actor will resolve it (the environment is read there, so an
+    OTEL_* variable of the loading process must not make a bad file pass or a good one fail)."""
+    from pipeline.tracing.otel import resolve_config
+
+    try:
+        resolve_config("specrelay", tracing, environ={})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"tracing: {e}") from None
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:

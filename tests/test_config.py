@@ -71,3 +71,56 @@ def test_sources_resolve_without_any_download(tmp_path):
 
 def test_dataclass_defaults_are_valid():
     assert EngineConfig().draft == "ngram"
+
+
+def test_gpu_example_as_shipped_sets_otlp_grpc_tracing():
+    config = load_config("configs/gpu-example.yaml")
+    assert config.tracing == {"exporter": "otlp", "otlp_protocol": "grpc",
+                              "otlp_endpoint": "http://otel-collector:4317"}
+    assert config.placement_spec.verifier_strategy == "PACK"
+
+
+@pytest.mark.parametrize(("tracing", "message"), [
+    ({"exporter": "otlp-grpc"}, "otlp_protocol: grpc"),  # the old gpu-example spelling: a hint
+    ({"exporter": "otlp", "endpoint": "http://c:4317"}, "endpoint.*otlp_endpoint"),
+    ({"exporter": "jaeger"}, "exporter"),
+    ({"otlp_protocol": "udp"}, "otlp_protocol"),
+    ({"sample_ratio": 2}, "sample_ratio"),
+    ({"sample_ratio": "half"}, "sample_ratio"),
+])
+def test_bad_tracing_section_fails_at_load(tracing, message):
+    with pytest.raises(ValueError, match=f"tracing: .*{message}"):
+        load_config(None, {"tracing": tracing})
+
+
+def test_tracing_is_checked_without_the_loading_process_environment(monkeypatch):
+    # The actors read their own OTEL_* environment; the loading process's must not decide.
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "bogus")
+    assert load_config(None, {"tracing": {"exporter": "file"}}).tracing == {"exporter": "file"}
+    assert load_config(None).tracing == {}
+
+
+@pytest.mark.parametrize(("placement", "field"), [
+    ("PACK", "placement"),
+    ({"verifier_strategy": "pack"}, "placement.verifier_strategy"),
+    ({"verifier_stratgy": "PACK"}, "verifier_stratgy"),
+    ({"draft_resources": ["node_a"]}, "placement.draft_resources"),
+    ({"output_resources": {"node_a": 0}}, "placement.output_resources.node_a"),
+    ({"output_resources": {"node_a": 1.5}}, "placement.output_resources.node_a"),
+    ({"verifier_resources": {"GPU": 1}}, "placement.verifier_resources"),
+    ({"engine_resources": {"head": True}}, "placement.engine_resources.head"),
+])
+def test_bad_placement_names_the_field(placement, field):
+    with pytest.raises(ValueError, match=field):
+        load_config(None, {"placement": placement})
+
+
+def test_placement_builds_one_bundle_per_rank_with_its_custom_resources():
+    config = load_config("configs/tiny-tp2.yaml", {"placement": {
+        "verifier_strategy": "STRICT_PACK", "verifier_resources": {"tp_slot": 1},
+        "draft_resources": {"node_a": 0.5}}})
+    spec = config.placement_spec
+    assert spec.verifier_strategy == "STRICT_PACK"
+    assert spec.verifier_bundles(2, gpu=False) == [{"CPU": 1, "tp_slot": 1.0}] * 2
+    assert spec.verifier_bundles(1, gpu=True) == [{"CPU": 1, "GPU": 1, "tp_slot": 1.0}]
+    assert spec.draft_resources == {"node_a": 0.5} and spec.output_resources == {}

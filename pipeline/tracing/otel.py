@@ -57,6 +57,14 @@ PROTOCOLS = ("http/protobuf", "grpc")
 DEFAULT_TRACE_FILE = "specrelay-traces.jsonl"
 DEFAULT_MAX_LINKS = 4096
 _DEFAULT_BASE = {"http/protobuf": "http://localhost:4318", "grpc": "http://localhost:4317"}
+# The `tracing:` config keys (the table above, plus `disabled`); anything else is a typo.
+CONFIG_KEYS = ("service_name", "exporter", "otlp_protocol", "otlp_traces_endpoint",
+               "otlp_endpoint", "sample_ratio", "file", "batch", "max_links", "max_events",
+               "disabled")
+# Spellings other tools use, with what to write here instead (named in the error).
+_HINTS = {"endpoint": "otlp_endpoint", "protocol": "otlp_protocol",
+          "otlp-grpc": "exporter: otlp with otlp_protocol: grpc",
+          "otlp-http": "exporter: otlp with otlp_protocol: http/protobuf"}
 
 _log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -99,6 +107,11 @@ def resolve_config(
     """
     cfg = dict(config or {})
     env = os.environ if environ is None else environ
+    unknown = sorted(set(cfg) - set(CONFIG_KEYS))
+    if unknown:
+        hints = "".join(f"; for {k!r} write {_HINTS[k]}" for k in unknown if k in _HINTS)
+        raise ValueError(f"unknown key(s) {', '.join(unknown)} (known: {', '.join(CONFIG_KEYS)})"
+                         + hints)
 
     def pick(key: str, var: str | None, default: Any) -> Any:
         if cfg.get(key) is not None:
@@ -110,7 +123,8 @@ def resolve_config(
     exporter = str(pick("exporter", "OTEL_TRACES_EXPORTER", "none")).lower()
     exporter = exporter.split(",")[0].strip()  # the variable may list several; we take the first
     if exporter not in EXPORTERS:
-        raise ValueError(f"exporter / OTEL_TRACES_EXPORTER: {exporter!r} not in {EXPORTERS}")
+        hint = f"; write {_HINTS[exporter]}" if exporter in _HINTS else ""
+        raise ValueError(f"exporter / OTEL_TRACES_EXPORTER: {exporter!r} not in {EXPORTERS}{hint}")
     protocol = str(pick("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")).lower()
     if protocol not in PROTOCOLS:
         raise ValueError(
