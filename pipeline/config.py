@@ -36,9 +36,18 @@ class EngineConfig:
     attention_backend: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
-    max_waiting: int = 256
+    max_waiting: int = 256  # queued choices (engine requests), over all client requests
+    # Slots only a client request holding none may take, so a fan-out (n, prompt lists) cannot
+    # make a newcomer wait for a whole generation; at most num_slots - 1 take effect.
+    reserved_slots: int = 1
     overlap: bool = True
+    # Hang detection (pipeline.engine.stall): a step is stalled after
+    # clamp(step_timeout_p99_multiple * recent p99 seconds/token * its tokens,
+    #       step_timeout_floor_s, step_timeout_s); step_timeout_s alone until 16 steps are timed
+    # (it caps the floor too).
     step_timeout_s: float = 30.0
+    step_timeout_floor_s: float = 5.0
+    step_timeout_p99_multiple: float = 10.0
     ngram_min_n: int = 1
     ngram_max_n: int = 4
     torch_threads: int | None = None  # per actor; None leaves torch's default
@@ -55,6 +64,7 @@ class EngineConfig:
         _positive_int("num_slots", self.num_slots)
         _positive_int("max_model_len", self.max_model_len, minimum=2)
         _positive_int("max_waiting", self.max_waiting, minimum=0)
+        _positive_int("reserved_slots", self.reserved_slots, minimum=0)
         _positive_int("ngram_min_n", self.ngram_min_n)
         _positive_int("ngram_max_n", self.ngram_max_n, minimum=self.ngram_min_n)
         if self.torch_threads is not None:
@@ -72,9 +82,8 @@ class EngineConfig:
             self.num_speculative_tokens = 0
         elif self.num_speculative_tokens == 0:
             raise ValueError("num_speculative_tokens: must be >= 1 with a draft (or use draft: none)")
-        if isinstance(self.step_timeout_s, bool) or not isinstance(self.step_timeout_s, (int, float)) \
-                or not self.step_timeout_s > 0:
-            raise ValueError(f"step_timeout_s: must be a positive number, got {self.step_timeout_s!r}")
+        for name in ("step_timeout_s", "step_timeout_floor_s", "step_timeout_p99_multiple"):
+            _positive_number(name, getattr(self, name))
         if not isinstance(self.draft_agreement_noise, (int, float)) or self.draft_agreement_noise < 0:
             raise ValueError("draft_agreement_noise: must be a number >= 0")
         if self.overlap is not True and self.overlap is not False:
@@ -166,6 +175,12 @@ def _check_tracing(tracing: dict[str, Any]) -> None:
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def _positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or value == float("inf"):
+        raise ValueError(f"{name}: must be a positive number, got {value!r}")
 
 
 def _choice(name: str, value: Any, options: tuple[str, ...]) -> None:

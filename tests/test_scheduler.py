@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.step_plan import StepOutcome
@@ -10,13 +12,15 @@ from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
 
 
-def make(num_slots=2, max_waiting=3, max_model_len=32, k=4) -> Scheduler:
-    return Scheduler(num_slots, max_waiting, max_model_len, k, vocab_size=100)
+def make(num_slots=2, max_waiting=3, max_model_len=32, k=4, reserved_slots=0) -> Scheduler:
+    return Scheduler(num_slots, max_waiting, max_model_len, k, vocab_size=100,
+                     reserved_slots=reserved_slots)
 
 
-def add(s: Scheduler, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+def add(s: Scheduler, rid: str, prompt_ids: list[int], params: SamplingParams,
+        group: str | None = None) -> None:
     """Queue a request the way the engine does (validate, then enqueue)."""
-    s.enqueue(s.prepare(rid, prompt_ids, params))
+    s.enqueue(s.prepare(rid, prompt_ids, params, group))
 
 
 def outcome(plan, tokens_per_rid):
@@ -68,7 +72,7 @@ def test_decode_plan_carries_last_token_kv_len_and_commits():
 def test_drafts_capped_by_remaining_output_and_max_model_len():
     s = make(max_model_len=8)
     add(s, "a", [1, 2, 3], SamplingParams(max_new_tokens=100))
-    assert s.running == {} and s.waiting[0].params.max_new_tokens == 5  # 8 - 3 prompt tokens
+    assert s.running == {} and next(iter(s.waiting)).params.max_new_tokens == 5  # 8 - 3 prompt tokens
     s.apply(outcome(s.schedule(), {"a": [9]}))
     s.apply(outcome(s.schedule(), {"a": [1, 1]}))  # 3 outputs, seq len 6
     assert s.schedule().ks == [1]  # only 2 more tokens may be kept: 1 draft + 1
@@ -110,3 +114,68 @@ def test_duplicate_request_id_is_refused():
     add(s, "a", [1], SamplingParams())
     with pytest.raises(ValueError, match="already"):
         add(s, "a", [1], SamplingParams())
+
+
+def admitted(plan) -> list[str]:
+    return [n.rid for n in plan.new]
+
+
+def test_a_fan_out_keeps_the_reserved_slot_free_for_a_newcomer():
+    s = make(num_slots=4, max_waiting=64, reserved_slots=1)
+    for i in range(16):
+        add(s, f"fan-{i}", [1], SamplingParams(max_new_tokens=5), group="fan")
+    assert admitted(s.schedule()) == ["fan-0", "fan-1", "fan-2"]  # one slot kept back
+    add(s, "solo", [1], SamplingParams(max_new_tokens=5))
+    assert admitted(s.schedule()) == ["solo"]
+    assert s.free_slots == 0
+
+
+def test_a_lone_request_may_use_every_slot_when_nothing_is_reserved_or_slots_are_one():
+    s = make(num_slots=3, max_waiting=8)
+    for i in range(5):
+        add(s, f"fan-{i}", [1], SamplingParams(max_new_tokens=5), group="fan")
+    assert admitted(s.schedule()) == ["fan-0", "fan-1", "fan-2"]
+    one = make(num_slots=1, reserved_slots=1)  # the reserve never blocks the only slot
+    add(one, "a", [1], SamplingParams(), group="g")
+    assert admitted(one.schedule()) == ["a"]
+
+
+def test_freed_slots_go_to_the_group_holding_fewest_then_round_robin():
+    s = make(num_slots=2, max_waiting=16)
+    for i in range(4):
+        add(s, f"a{i}", [1], SamplingParams(max_new_tokens=5), group="A")
+    assert admitted(s.schedule()) == ["a0", "a1"]
+    add(s, "b0", [1], SamplingParams(max_new_tokens=5), group="B")
+    add(s, "b1", [1], SamplingParams(max_new_tokens=5), group="B")
+    add(s, "c0", [1], SamplingParams(max_new_tokens=5), group="C")
+    s.finish("a0")
+    assert admitted(s.schedule()) == ["b0"]  # B (0 held, arrived first) before A's a2 and C
+    s.finish("a1")
+    assert admitted(s.schedule()) == ["c0"]  # A and C hold none; C was never served
+    s.finish("b0")
+    assert admitted(s.schedule()) == ["a2"]  # A and B hold none; A was served longest ago
+    assert [r.rid for r in s.waiting] == ["a3", "b1"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("ABCD"), st.booleans()), min_size=1, max_size=40),
+       st.integers(1, 5), st.integers(0, 2))
+def test_admission_invariants(events, num_slots, reserve):
+    """Random arrivals (group, then maybe finish the oldest running): slots are never
+    oversubscribed, a waiting group holding no slot is never passed over while a slot is free,
+    and within a group choices start in arrival order."""
+    s = make(num_slots=num_slots, max_waiting=100, reserved_slots=reserve)
+    started: dict[str, list[int]] = {}
+    for i, (group, finish) in enumerate(events):
+        add(s, f"{group}{i}", [1], SamplingParams(max_new_tokens=5), group=group)
+        if finish and s.running:
+            s.finish(next(iter(s.running)))
+        plan = s.schedule()
+        for n in plan.new if plan else []:
+            started.setdefault(n.rid[0], []).append(int(n.rid[1:]))
+        assert len(s.running) <= num_slots
+        held = {r.group for r in s.running.values()}
+        if s.free_slots > 0:
+            assert all(r.group in held for r in s.waiting)
+    for order in started.values():
+        assert order == sorted(order)

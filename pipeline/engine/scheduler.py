@@ -1,11 +1,14 @@
-"""Continuous batching: a bounded FIFO waiting queue, a running set sized by the KV slots, and the
-per-step plan (who is prefilled, who is verified with how many drafts, whose slots are freed).
+"""Continuous batching: a bounded waiting queue (pipeline.engine.admission: fair across client
+requests), a running set sized by the KV slots, and the per-step plan (who is prefilled, who is
+verified with how many drafts, whose slots are freed).
 
 Invariants:
 - a request holds one slot on every stage (target ranks, draft) from admission until the plan
   after its finish/abort carries it in `release`; stages free before they allocate, so the
   slot budget is `num_slots - len(running)` when a plan is built;
-- admission is FIFO and happens whenever slots are free (no request is passed over);
+- the queue and the slots are counted in choices (engine requests); admission happens whenever
+  slots are free, fewest-held group first, FIFO within a group, with `reserved_slots` kept for
+  groups holding none (see admission.py);
 - no verify writes past `max_model_len`, and none is scheduled once a request has as many
   output tokens as it may keep (`max_output`); the output processor decides the finish.
 """
@@ -13,10 +16,11 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pipeline.engine.admission import FairQueue
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
@@ -37,6 +41,11 @@ class EngineRequest:
     num_output: int = 0  # tokens generated so far (the engine's view: may run past a finish)
     last_token: int = -1  # newest token; not yet in the target KV cache
     pending: list[int] = field(default_factory=list)  # last step's tokens, not yet committed
+    group: str = ""  # the client request it belongs to (fair admission); "" = its own rid
+    seq: int = 0  # arrival order, set when queued
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.rid
 
     @property
     def num_prompt(self) -> int:
@@ -57,22 +66,26 @@ class EngineRequest:
 
 class Scheduler:
     def __init__(self, num_slots: int, max_waiting: int, max_model_len: int, k: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, reserved_slots: int = 0) -> None:
         self.num_slots = num_slots
         self.max_waiting = max_waiting
         self.max_model_len = max_model_len
         self.k = k
         self.vocab_size = vocab_size
-        self.waiting: deque[EngineRequest] = deque()
+        # At most num_slots - 1 reserved: a lone request can always run.
+        self.waiting = FairQueue(min(reserved_slots, num_slots - 1))
         self.running: dict[str, EngineRequest] = {}
+        self._held: Counter[str] = Counter()  # running slots per group
         self._release: list[str] = []
         self._step = 0
 
     # --- requests in and out --------------------------------------------------------------
-    def prepare(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
-        """Validate a request and cap its output at max_model_len; queues nothing.
+    def prepare(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                group: str | None = None) -> EngineRequest:
+        """Validate a request and cap its output at max_model_len; queues nothing. `group`: the
+        client request it belongs to (its choices share one), None for a request of its own.
         Raises ValueError (bad prompt, id in use) or EngineOverloadedError (queue full)."""
-        if rid in self.running or any(r.rid == rid for r in self.waiting):
+        if rid in self.running or rid in self.waiting:
             raise ValueError(f"request id {rid!r} is already in use")
         self.check_prompt(prompt_ids)
         self._check_room()
@@ -80,17 +93,17 @@ class Scheduler:
         cap = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
         params = dataclasses.replace(params, max_new_tokens=cap,
                                      min_new_tokens=min(params.min_new_tokens, cap))
-        return EngineRequest(rid, list(prompt_ids), params)
+        return EngineRequest(rid, list(prompt_ids), params, group=group or rid)
 
     def enqueue(self, req: EngineRequest) -> EngineRequest:
         self._check_room()
-        self.waiting.append(req)
+        self.waiting.push(req)
         return req
 
     def _check_room(self) -> None:
         if len(self.waiting) >= self.max_waiting:
             raise EngineOverloadedError(
-                f"waiting queue is full ({self.max_waiting} requests); retry later")
+                f"waiting queue is full ({self.max_waiting} queued choices); retry later")
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -105,24 +118,26 @@ class Scheduler:
     def finish(self, rid: str) -> EngineRequest | None:
         """A finish notice or an abort: a waiting request is dropped, a running one's slots are
         released with the next plan. Returns the request if it was still known."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                req.status = Status.FINISHED
-                return req
+        req = self.waiting.remove(rid)
+        if req is not None:
+            req.status = Status.FINISHED
+            return req
         req = self.running.pop(rid, None)
         if req is not None:
             req.status = Status.FINISHED
             self._release.append(rid)
+            self._held[req.group] -= 1
+            if self._held[req.group] <= 0:
+                del self._held[req.group]
         return req
 
     # --- one step -------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        """The next step's plan (release, admit FIFO into free slots, verify the rest); a
+        """The next step's plan (release, admit fairly into free slots, verify the rest); a
         release-only plan when only slots are left to free; None when there is nothing to do."""
         decode = [r for r in self.running.values() if self._steppable(r)]
-        admit = min(len(self.waiting), self.num_slots - len(self.running))
-        if not decode and admit <= 0 and not self._release:
+        admitted = self.waiting.admit(self.num_slots - len(self.running), self._held)
+        if not decode and not admitted and not self._release:
             return None
         plan = StepPlan(step=self._step, release=self._release)
         self._step += 1
@@ -139,8 +154,7 @@ class Scheduler:
             # No drafts past the output cap or past the slot's max_len.
             plan.ks.append(max(0, min(self.k, req.remaining - 1,
                                       self.max_model_len - req.seq_len)))
-        for _ in range(admit):
-            req = self.waiting.popleft()
+        for req in admitted:
             req.status = Status.RUNNING
             self.running[req.rid] = req
             plan.new.append(NewRequest(req.rid, req.prompt_ids, req.params))
