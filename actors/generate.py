@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import time
 from typing import Any
 
 from pipeline.config import load_config
+from pipeline.frontend.metrics import tokens_per_verify
 from pipeline.params import SamplingParams
 
 
@@ -63,6 +65,10 @@ async def complete(handle: Any, prompts: list[list[int]], params: SamplingParams
     return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     import ray
 
@@ -80,14 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     if owns_ray:
         ray.init(include_dashboard=False, log_to_driver=False,
                  num_cpus=max(2, config.tensor_parallel_size + 1))
+    # SIGTERM ends the run like Ctrl-C: through the finally blocks, so every actor's spans
+    # are exported (stop_engine flushes them) before Ray goes away.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         handle = start_engine(config)
-        t0 = time.perf_counter()
-        results = asyncio.run(complete(handle, prompts, params))
-        elapsed = time.perf_counter() - t0
-        stats = ray.get(handle.stats.remote())
-        stop_engine(handle)
+        try:
+            t0 = time.perf_counter()
+            results = asyncio.run(complete(handle, prompts, params))
+            elapsed = time.perf_counter() - t0
+            stats = ray.get(handle.stats.remote())
+        finally:
+            stop_engine(handle)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if owns_ray:
             ray.shutdown()
     total = 0
@@ -100,12 +112,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- finish_reason={last.finish_reason} matched_stop={last.matched_stop!r} "
               f"tokens={len(ids)} verify_steps={last.spec_verify_ct} "
               f"accepted_tokens={last.spec_accepted_tokens} "
+              f"draft_tokens={last.spec_draft_tokens} "
               f"histogram={last.spec_acceptance_histogram}")
         if args.logprobs is not None:
             lps = [lp for d in deltas for lp in (d.logprobs or [])]
             print(f"--- logprobs={[round(x, 3) for x in lps]}")
     print(f"=== {total} tokens in {elapsed:.2f}s: {total / elapsed:.1f} tokens/s; engine: "
-          f"steps={stats['steps']} drafted={stats['drafted_tokens']} "
-          f"accepted={stats['accepted_tokens']} mean_accepted={stats['mean_accepted']:.2f} "
+          f"steps={stats['steps']} drafted={stats['num_draft_tokens']} "
+          f"accepted={stats['num_accepted_tokens']} "
+          f"tokens_per_verify={tokens_per_verify(stats):.2f} "
           f"histogram={stats['acceptance_histogram']}")
     return 0

@@ -104,7 +104,8 @@ class FakeEngine:
                 finished=done, finish_reason=reason if done else None,
                 matched_stop=matched if done else None, finished_len=end if done else None,
                 spec_verify_ct=n_verify, spec_accepted_tokens=start + len(chunk) - n_verify,
-                spec_acceptance_histogram=list(hist))
+                spec_acceptance_histogram=list(hist),
+                spec_draft_tokens=n_verify * (self.window - 1))
         self.finished.append(rid)
 
     def _finish(self, p: SamplingParams) -> tuple[list[int], int, str, Any, int]:
@@ -129,7 +130,7 @@ class FakeEngine:
     async def stats(self) -> dict[str, Any]:
         return {"num_slots": self.num_slots, "free_slots": self.num_slots - len(self.running),
                 "running": len(self.running), "waiting": 0, "max_waiting": self.max_waiting,
-                "steps": 10, "dropped_steps": 2, "drafted_tokens": 40, "accepted_tokens": 30,
+                "steps": 10, "dropped_steps": 2, "num_draft_tokens": 40, "num_accepted_tokens": 30,
                 "healthy": self.healthy, "acceptance_histogram": [1, 2, 3, 4]}
 
     async def health(self) -> dict[str, Any]:

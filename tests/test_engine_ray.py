@@ -61,7 +61,7 @@ def test_ray_engine_greedy_equals_target_only(engines, reference, tp):
         assert "".join(d.text for d in deltas) == want_text
         assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
     stats = asyncio.run(EngineClient(engines[tp]).stats())
-    assert stats["drafted_tokens"] > 0 and stats["healthy"]
+    assert stats["num_draft_tokens"] > 0 and stats["healthy"]
     info = asyncio.run(EngineClient(engines[tp]).model_info())
     assert info["vocab_size"] == 256 and info["eos_token_ids"] == [2]
     assert info["tensor_parallel_size"] == (2 if tp == "tp2" else 1)

@@ -56,9 +56,9 @@ def test_stop_string_mid_window_drops_everything_after_it():
     assert out.logprobs == [token_logprob(p, t) for p, t in enumerate(kept)]
     assert out.top_logprobs == [token_top(p, 5)[:2] for p in range(7)]
     assert (out.finish_reason, out.matched_stop, out.finished_len) == ("stop", "STOP", 7)
-    # statistics: the 7 retained tokens were all accepted drafts (the bonus token was the 16th)
-    assert (out.spec_verify_ct, out.spec_accepted_tokens) == (1, 7)
-    assert out.spec_acceptance_histogram == [0] * 7 + [1]
+    # statistics: one verify step retaining 7 tokens counts 6 accepted (kept - 1, DESIGN.md)
+    assert (out.spec_verify_ct, out.spec_accepted_tokens, out.spec_draft_tokens) == (1, 6, 15)
+    assert out.spec_acceptance_histogram == [0] * 6 + [1]
 
 
 def test_window_overshooting_max_new_tokens_with_a_stop_token_inside_the_budget_is_stop():
@@ -238,12 +238,48 @@ def test_statistics_count_retained_accepted_drafts():
 def test_a_truncated_window_counts_only_its_retained_accepted_drafts():
     proc = proc_with(SamplingParams(max_new_tokens=100, stop_token_ids=[9]))
     [out] = proc.process(encode(VerifyStep(0, ["r"], [[5, 9, 7, 8, 6]], [4])))
-    # 2 tokens retained, both were accepted drafts (the bonus token was cut off)
+    # 2 tokens retained: one for the forward, one counted accepted, so the identity holds
     assert (out.spec_verify_ct, out.spec_accepted_tokens, out.spec_acceptance_histogram) == (
         1,
-        2,
-        [0, 0, 1],
+        1,
+        [0, 1],
     )
+
+
+def test_a_decode_step_without_drafts_is_a_verify_step():
+    proc = proc_with(SamplingParams(max_new_tokens=100))
+    proc.process(encode(VerifyStep(0, ["r"], [[5]], [0])))  # prefill
+    proc.process(encode(VerifyStep(1, ["r"], [[6]], [0])))  # nothing drafted
+    [out] = proc.process(encode(VerifyStep(2, ["r"], [[7, 8]], [3])))
+    assert (out.spec_verify_ct, out.spec_accepted_tokens, out.spec_draft_tokens) == (2, 1, 3)
+    assert out.spec_acceptance_histogram == [1, 1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    windows=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=20),
+    stop_at=st.one_of(st.none(), st.integers(0, 60)),
+    max_new=st.integers(1, 60),
+)
+def test_completion_tokens_equal_one_plus_verify_ct_plus_accepted(windows, stop_at, max_new):
+    """For any chunking, any stop-token truncation and any length cap, after a prefill."""
+    proc = OutputProcessor(None, [EOS])
+    proc.add_request("r", [1], SamplingParams(max_new_tokens=max_new, stop_token_ids=[9]))
+    stream = [9 if i == stop_at else 7 for i in range(200)]
+    outs = proc.process(encode(VerifyStep(0, ["r"], [[stream[0]]], [0])))
+    total, drafted_kept, pos = len(outs[0].token_ids), 0, 1
+    last = outs[0]
+    for k, (n, extra) in enumerate(windows, start=1):
+        if last.finished:
+            break
+        drafted = n - 1 + extra
+        [last] = proc.process(encode(VerifyStep(k, ["r"], [stream[pos : pos + n]], [drafted])))
+        total += len(last.token_ids)
+        drafted_kept += drafted
+        pos += n
+    assert total == 1 + last.spec_verify_ct + last.spec_accepted_tokens
+    assert last.spec_draft_tokens == drafted_kept
+    assert sum(last.spec_acceptance_histogram) == last.spec_verify_ct
 
 
 @settings(max_examples=60, deadline=None)

@@ -58,7 +58,7 @@ def test_completion_stops_at_stop_string_with_stop_reason_and_spec_stats():
     # 17 tokens ("Hello world! This") in windows of 3: 6 verify steps.
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 17, "total_tokens": 19}
     assert choice["spec_stats"] == {"verify_ct": 6, "accepted_tokens": 11,
-                                    "acceptance_histogram": [0, 1, 5]}
+                                    "acceptance_histogram": [0, 1, 5], "draft_tokens": 12}
 
 
 def test_length_finish_and_eos_stop_reason_is_null():

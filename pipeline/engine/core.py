@@ -6,8 +6,10 @@ Overlap: with `overlap` on, step s+1 is launched before step s's output has been
 finish notice arrives one step late; the late step's tokens for a finished request are dropped by
 the output processor (counted in its `dropped_steps`), and the slots are freed by the next plan.
 
-Failure: any stage error or a step slower than `step_timeout_s` ends every in-flight request with
-EngineDeadError and marks the engine unhealthy; new requests are refused with the same error.
+Failure: any stage error or a stalled step (slower than the stall bound of pipeline.engine.stall:
+a multiple of the recent p99 step time, between `step_timeout_floor_s` and `step_timeout_s`) ends
+every in-flight request with EngineDeadError and marks the engine unhealthy; new requests are
+refused with the same error.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from typing import Any, Protocol
 
 from pipeline.config import EngineConfig
 from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.stall import StallDetector, plan_tokens
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineDeadError
 from pipeline.output.request_output import RequestOutput
+from pipeline.output.request_state import count_into
 from pipeline.params import SamplingParams
 
 
@@ -48,24 +52,36 @@ class Stages(Protocol):
 
 @dataclass
 class EngineStats:
-    steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0  # raw: drafts the verifier accepted, before finish truncation
-    verifies: int = 0  # request-steps that verified at least one draft
-    histogram: list[int] = field(default_factory=list)  # accepted drafts per request-step
+    """Raw speculative counts (before finish truncation), named like vLLM's spec-decode metrics.
 
-    def record(self, outcome: StepOutcome) -> None:
+    Every decode request-step is a verify step (drafted or not); `histogram[a]` counts those that
+    accepted `a` drafts (the same rule as the per-request SpecStats). A draft is a request-step
+    with at least one draft token; `accepted_per_pos[i]` counts drafts whose position i was
+    accepted. Rates are pooled: accepted_tokens / draft_tokens."""
+
+    steps: int = 0
+    verify_steps: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    histogram: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, outcome: StepOutcome, num_prefills: int) -> None:
+        """One step; its first `num_prefills` requests were prefilled (not verify steps)."""
         self.steps += 1
-        for tokens, drafted in zip(outcome.tokens, outcome.drafted):
+        for tokens, drafted in zip(outcome.tokens[num_prefills:],
+                                   outcome.drafted[num_prefills:]):
+            accepted = len(tokens) - 1
+            self.verify_steps += 1
+            count_into(self.histogram, accepted)
             if drafted == 0:
                 continue
-            accepted = len(tokens) - 1
-            self.verifies += 1
-            self.drafted_tokens += drafted
+            self.drafts += 1
+            self.draft_tokens += drafted
             self.accepted_tokens += accepted
-            if accepted >= len(self.histogram):
-                self.histogram.extend([0] * (accepted + 1 - len(self.histogram)))
-            self.histogram[accepted] += 1
+            for pos in range(accepted):
+                count_into(self.accepted_per_pos, pos)
 
 
 class RequestStream:
@@ -95,8 +111,12 @@ class EngineCore:
         self.tracer = tracer  # an OpenTelemetry tracer: one `spec.engine_step` span per step
         self.stages = stages
         self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
-                                   config.k, vocab_size)
+                                   config.k, vocab_size,
+                                   reserved_slots=config.reserved_slots)
         self.stats = EngineStats()
+        self.stall = StallDetector(config.step_timeout_floor_s, config.step_timeout_p99_multiple,
+                                   config.step_timeout_s)
+        self.stall_bound_s = config.step_timeout_s  # of the step in flight
         self.last_progress = time.time()
         self.dead_reason: str | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -106,14 +126,16 @@ class EngineCore:
 
     # --- requests ---------------------------------------------------------------------------
     async def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                          traceparent: str | None = None) -> RequestStream:
+                          traceparent: str | None = None,
+                          group: str | None = None) -> RequestStream:
         """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
-        (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then."""
+        (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then.
+        `group`: the client request it belongs to (fair admission; None: a group of its own)."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine is unhealthy: {self.dead_reason}")
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = self.scheduler.prepare(rid, prompt_ids, params)
+        req = self.scheduler.prepare(rid, prompt_ids, params, group)
         stream = self._streams[rid] = RequestStream(rid)  # reserves the id across the await
         registered = False
         try:
@@ -189,6 +211,9 @@ class EngineCore:
 
     async def _step(self, plan: StepPlan, pending: asyncio.Future | None) -> asyncio.Future | None:
         span = self._start_span(plan)
+        tokens = plan_tokens(plan)
+        self.stall_bound_s = self.stall.bound(tokens)
+        started = time.monotonic()
         step = asyncio.ensure_future(self._timed(self.stages.run_step(plan), plan.step, "verify"))
         if pending is not None:  # step s-1's output is handled while step s drafts and verifies
             await self._deliver(pending)
@@ -199,8 +224,9 @@ class EngineCore:
                 span.end()
         if not outcome.rids:  # a release-only step: nothing to output
             return None
+        self.stall.record(time.monotonic() - started, tokens)
         self.scheduler.apply(outcome)
-        self.stats.record(outcome)
+        self.stats.record(outcome, len(plan.new))
         self.last_progress = time.time()
         output = asyncio.ensure_future(
             self._timed(self.stages.process(outcome.payload), plan.step, "output"))
@@ -227,14 +253,14 @@ class EngineCore:
         # the inner task finishing (CPython gh-86296), which hangs loop shutdown.
         task = asyncio.ensure_future(work)
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.config.step_timeout_s)
+            done, _ = await asyncio.wait({task}, timeout=self.stall_bound_s)
         except asyncio.CancelledError:
             task.cancel()
             raise
         if not done:
             task.cancel()
-            raise EngineDeadError(f"step {step}: {stage} took longer than the step timeout "
-                                  f"({self.config.step_timeout_s}s)")
+            raise EngineDeadError(f"step {step}: {stage} stalled (no answer within "
+                                  f"{self.stall_bound_s:.1f}s)")
         return task.result()
 
     async def _deliver(self, output: asyncio.Future) -> None:
@@ -274,7 +300,7 @@ class EngineCore:
         if self._task is not None and self._task.done():
             return {"healthy": False, "reason": "engine loop stopped"}
         stalled = time.time() - self.last_progress
-        if self.scheduler.has_work and stalled > self.config.step_timeout_s:
+        if self.scheduler.has_work and stalled > self.stall_bound_s:
             return {"healthy": False,
                     "reason": f"no progress for {stalled:.1f}s with pending requests"}
         return {"healthy": True, "reason": ""}
@@ -295,11 +321,13 @@ class EngineCore:
             "max_waiting": self.scheduler.max_waiting,
             "steps": s.steps,
             "dropped_steps": dropped,
-            "drafted_tokens": s.drafted_tokens,
-            "accepted_tokens": s.accepted_tokens,
-            "verifies": s.verifies,
-            "mean_accepted": s.accepted_tokens / s.verifies if s.verifies else 0.0,
+            "verify_steps": s.verify_steps,
+            "num_drafts": s.drafts,
+            "num_draft_tokens": s.draft_tokens,
+            "num_accepted_tokens": s.accepted_tokens,
+            "num_accepted_tokens_per_pos": list(s.accepted_per_pos),
             "acceptance_histogram": list(s.histogram),
             "healthy": self.health()["healthy"],
             "last_progress": self.last_progress,
+            "stall_bound_s": self.stall_bound_s,
         }

@@ -52,28 +52,38 @@ class _EngineStatsCollector(Collector):
         healthy.add_metric(labels, 1.0 if s.get("healthy", False) else 0.0)
         yield healthy
         for name, key, doc in (
-            ("engine_steps", "steps", "Verify steps run by the engine."),
+            ("engine_steps", "steps", "Engine steps run."),
             ("spec_dropped_steps", "dropped_steps",
              "Steps dropped whole because their request had already finished or was aborted."),
-            ("spec_draft_tokens", "drafted_tokens", "Draft tokens proposed."),
-            ("spec_accepted_tokens", "accepted_tokens", "Draft tokens accepted by the verifier."),
+            ("spec_decode_num_verify_steps", "verify_steps",
+             "Request-steps after the prefill (each verifies, drafted or not)."),
+            # vLLM's spec-decode counters (vllm:spec_decode_num_*): raw, before finish truncation.
+            ("spec_decode_num_drafts", "num_drafts", "Request-steps with at least one draft."),
+            ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
+            ("spec_decode_num_accepted_tokens", "num_accepted_tokens",
+             "Draft tokens accepted by the verifier."),
         ):
             c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
             c.add_metric(labels, float(s.get(key) or 0))
             yield c
-        drafted = float(s.get("drafted_tokens") or 0)
-        accepted = float(s.get("accepted_tokens") or 0)
+        per_pos = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose token at this position was accepted.",
+                                      labels=["model", "position"])
+        for pos, n in enumerate(s.get("num_accepted_tokens_per_pos") or []):
+            per_pos.add_metric([self.model, str(pos)], float(n))
+        yield per_pos
+        drafted = float(s.get("num_draft_tokens") or 0)
+        accepted = float(s.get("num_accepted_tokens") or 0)
         rate = GaugeMetricFamily(f"{PREFIX}_spec_acceptance_rate",
-                                 "Accepted / drafted tokens since start.", labels=["model"])
+                                 "Accepted / drafted tokens since start (pooled counts).",
+                                 labels=["model"])
         rate.add_metric(labels, accepted / drafted if drafted else 0.0)
         yield rate
         hist = acceptance_histogram(s)
-        steps = sum(hist)
         mean = GaugeMetricFamily(f"{PREFIX}_spec_mean_accepted_length",
-                                 "Mean tokens emitted per verify step (accepted drafts + 1).",
+                                 "Tokens per verify step, drafted or not (accepted drafts + 1).",
                                  labels=["model"])
-        mean.add_metric(labels, (sum(i * c for i, c in enumerate(hist)) / steps + 1.0)
-                        if steps else 0.0)
+        mean.add_metric(labels, tokens_per_verify(s))
         yield mean
         if hist:
             h = HistogramMetricFamily(f"{PREFIX}_spec_acceptance_length",
@@ -86,6 +96,13 @@ class _EngineStatsCollector(Collector):
             buckets.append(("+Inf", float(total)))
             h.add_metric(labels, buckets, sum_value=float(sum(i * c for i, c in enumerate(hist))))
             yield h
+
+
+def tokens_per_verify(stats: dict[str, Any]) -> float:
+    """Tokens per verify step from pooled counts (accepted drafts / verify steps + 1)."""
+    hist = acceptance_histogram(stats)
+    steps = sum(hist)
+    return sum(i * c for i, c in enumerate(hist)) / steps + 1.0 if steps else 0.0
 
 
 def acceptance_histogram(stats: dict[str, Any]) -> list[int]:

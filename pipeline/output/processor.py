@@ -18,22 +18,36 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from pipeline.grammar import grammar_end
-from pipeline.output.detokenizer import REPLACEMENT, DecodedWindow, Detokenizer, StopStrings
-from pipeline.output.finish import Finish, FinishKind, StopRules, StopStringHit, find_finish
+from pipeline.output.detokenizer import Detokenizer
+from pipeline.output.finish import Finish, FinishKind, StopRules, find_finish
 from pipeline.output.request_output import RequestOutput
-from pipeline.output.request_state import RequestState, RequestStatus, TextState
+from pipeline.output.request_state import RequestState, RequestStatus
+from pipeline.output.text import (
+    StopStrings,
+    TextRequest,
+    TextState,
+    TextUpdate,
+    decode_windows,
+    find_stop,
+    release,
+    settled_text,
+    stop_text,
+)
 from pipeline.params import SamplingParams
 from pipeline.protocol import ProtocolError, StepColumns, decode_columns
 
 FINISHED_MEMORY = 1 << 16  # finished rids remembered to tell late steps from unknown requests
 STOP_TABLE_MAX = 1 << 22  # stop ids below this are found with a bool lookup table
 
+_BY_TOKEN = (FinishKind.EOS, FinishKind.STOP_TOKEN)
 _STATUS = {
+    FinishKind.EOS: RequestStatus.FINISHED_STOP,
     FinishKind.STOP_TOKEN: RequestStatus.FINISHED_STOP,
     FinishKind.STOP_STRING: RequestStatus.FINISHED_STOP,
     FinishKind.GRAMMAR: RequestStatus.FINISHED_STOP,
@@ -106,30 +120,15 @@ class OutputProcessor:
             return None
         text = ""
         if st.text is not None:
-            detok = self.detokenizer
-            skip = st.params.skip_special_tokens
-            seqs = detok.sequences(st.text, st.output_ids, [])
-            dw = detok.window(st.text, detok.decode_batch(seqs, [skip] * len(seqs)))
-            text = st.text.pending + dw.full[dw.base :]
+            req = (st.text, st.output_ids, [], st.params.skip_special_tokens)
+            text = settled_text(st.text, decode_windows(self.detokenizer, [req])[0])
         st.status = RequestStatus.FINISHED_ABORTED
+        st.finish_kind = "abort"
         st.finished_len = len(st.output_ids)
         self._retire(st)
         want_lp = st.params.logprobs
-        return RequestOutput(
-            st.rid,
-            [],
-            text,
-            None if want_lp is None else [],
-            None if want_lp is None or want_lp == 0 else [],
-            True,
-            "abort",
-            None,
-            st.finished_len,
-            None,
-            st.stats.verify_ct,
-            st.stats.accepted_tokens,
-            list(st.stats.histogram),
-        )
+        no_lp = None if want_lp is None else []
+        return _delta(st, [], text, no_lp, None if not want_lp else [])
 
     def _retire(self, st: RequestState) -> None:
         del self._requests[st.rid]
@@ -151,30 +150,31 @@ class OutputProcessor:
         return self.process_columns(decode_columns(payload))
 
     def process_columns(self, cols: StepColumns) -> list[RequestOutput]:
-        """Apply one validated step (see `process`)."""
-        rids = cols.rids
-        get = self._requests.get
-        states = [get(r) for r in rids]
-        offs = cols.offsets.tolist()
-        toks = cols.tokens.tolist()
-        hits = self._stop_token_hits(cols)
+        """Apply one validated step (see `process` and the passes in the module docstring)."""
+        step = self._select(cols)
+        if step.slow:
+            self._token_finishes(step)
+        if self.detokenizer is not None and step.live:
+            self._texts(step)
+        return self._commit(step)
 
-        # Pass 1: which requests are in the step, and which might finish. No state changes, so a
-        # ProtocolError here leaves everything as it was.
-        live: list[tuple[int, RequestState]] = []
-        slow: list[tuple[int, RequestState]] = []
-        tops: list[tuple[int, int]] = []
+    def _select(self, cols: StepColumns) -> _Step:
+        """Pass 1: which requests are in the step, and which might finish. No state changes but
+        the dropped-step counts, so a ProtocolError here leaves every request as it was."""
+        step = _Step(cols, cols.offsets.tolist(), cols.tokens.tolist())
+        offs, live, slow, tops = step.offs, step.live, step.slow, step.tops
+        hits = self._stop_token_hits(cols)
+        get = self._requests.get
+        states = [get(r) for r in cols.rids]
         dropped = 0
-        want_lp = False
-        step = cols.step
         for i, st in enumerate(states):
-            if st is None or step <= st.last_step:
+            if st is None or cols.step <= st.last_step:
                 dropped += 1
                 continue
             live.append((i, st))
             n_lp = st.params.logprobs
             if n_lp is not None:
-                want_lp = True
+                step.want_lp = True
                 if n_lp:
                     tops.append((i, n_lp))
             if (
@@ -183,51 +183,88 @@ class OutputProcessor:
                 or offs[i + 1] - offs[i] >= st.rules.max_new_tokens - len(st.output_ids)
             ):
                 slow.append((i, st))
-        if want_lp and cols.logprobs is None:
+        if step.want_lp and cols.logprobs is None:
             raise ProtocolError("a request in the step asked for logprobs; the step has none")
         if tops:
             self._check_top(cols, tops)
         if dropped:
             self.dropped_steps += dropped
             self.dropped_unknown += sum(
-                1 for r, st in zip(rids, states) if st is None and r not in self._finished
+                1 for r, st in zip(cols.rids, states) if st is None and r not in self._finished
             )
+        return step
 
-        # Pass 2: token-level finish (stop token / EOS, grammar, length) of the few candidates.
-        fins: dict[int, Finish] = {}
-        grammar_at: dict[int, int] = {}
-        for i, st in slow:
+    @staticmethod
+    def _token_finishes(step: _Step) -> None:
+        """Pass 2: token-level finish (stop token / EOS, grammar, length) of the few candidates."""
+        offs, toks = step.offs, step.toks
+        for i, st in step.slow:
             window = toks[offs[i] : offs[i + 1]]
             gi = grammar_end(st.grammar, window) if st.grammar is not None else None
             if gi is not None:
-                grammar_at[i] = gi
+                step.grammar_at[i] = gi
             fin = find_finish(window, len(st.output_ids), st.rules, None, gi)
             if fin is not None:
-                fins[i] = fin
+                step.fins[i] = fin
 
-        # Pass 3: text (one batched decode), stop strings, hold-back.
-        texts: dict[int, tuple[str, tuple | None]] = {}
-        if self.detokenizer is not None and live:
-            self._detokenize(live, offs, toks, fins, grammar_at, texts)
+    def _texts(self, step: _Step) -> None:
+        """Pass 3: every request's text delta (pipeline.output.text: one batched decode, stop
+        strings, hold-back); a stop string completing before a token-level finish moves it."""
+        detok = self.detokenizer
+        special = detok.special_ids
+        offs, toks, fins = step.offs, step.toks, step.fins
+        reqs: list[TextRequest] = []
+        for i, st in step.live:
+            fin = fins.get(i) if fins else None
+            end = offs[i + 1]
+            if fin is not None:
+                end = offs[i] + fin.pos - len(st.output_ids) + 1
+                if fin.kind in _BY_TOKEN and fin.matched in special:
+                    end -= 1  # a special stop token's text is not emitted
+            reqs.append((st.text, st.output_ids, toks[offs[i] : end], st.params.skip_special_tokens))
+        texts = step.texts
+        for (i, st), wt in zip(step.live, decode_windows(detok, reqs)):
+            ts, params = st.text, st.params
+            fin = fins.get(i) if fins else None
+            if st.stops is not None:
+                match = find_stop(detok, ts, st.output_ids, wt, st.stops,
+                                  st.rules.min_new_tokens, params.skip_special_tokens)
+                if match is not None:  # rare: the finish rules weigh it against the others
+                    window = toks[offs[i] : offs[i + 1]]
+                    fin = fins[i] = find_finish(window, len(st.output_ids), st.rules, match.hit,
+                                                step.grammar_at.get(i))
+                    if fin.kind is FinishKind.STOP_STRING:
+                        stop = params.include_stop_str_in_output
+                        texts[i] = (stop_text(ts, wt, match, stop), None)
+                        continue
+            if fin is not None:
+                texts[i] = (settled_text(ts, wt), None)
+            else:
+                end = len(st.output_ids) + len(wt.window)
+                texts[i] = release(detok, ts, wt, st.stops, params.include_stop_str_in_output, end)
 
-        # Pass 4: commit and emit.
+    def _commit(self, step: _Step) -> list[RequestOutput]:
+        """Pass 4: ids, the logprob boundary, spec statistics, text offsets, finishes; the deltas."""
+        cols, offs, toks, fins, texts = step.cols, step.offs, step.toks, step.fins, step.texts
         drafted = cols.drafted.tolist()
-        lps = cols.logprobs.tolist() if want_lp else None
-        if tops:
+        lps = cols.logprobs.tolist() if step.want_lp else None
+        if step.tops:
             # All (id, logprob) pairs of the step in one C-level pass; a token's entries are a slice.
             pairs = list(zip(cols.top_ids.tolist(), cols.top_logprobs.tolist()))
             top_n = cols.top_n.tolist()
             top_offs = cols.top_offsets.tolist()
         outs: list[RequestOutput] = []
         append = outs.append
-        for i, st in live:
+        for i, st in step.live:
             a = offs[i]
             n = offs[i + 1] - a
             fin = fins.get(i) if fins else None
             keep = n if fin is None else fin.pos - len(st.output_ids) + 1
             ids = toks[a : a + keep]
+            # A request's first step is its prefill unless it drafted (then it verified).
+            verified = len(st.output_ids) > 0 or drafted[i] > 0
             st.output_ids.extend(ids)
-            st.last_step = step
+            st.last_step = cols.step
             n_lp = st.params.logprobs
             out_lp = out_top = None
             if n_lp is not None:
@@ -237,34 +274,25 @@ class OutputProcessor:
                     tn = top_n[i]
                     t0 = top_offs[i]
                     out_top = [pairs[j : j + n_lp] for j in range(t0, t0 + keep * tn, tn)]
-            stats = st.stats
-            if drafted[i]:
-                stats.add(keep if keep < n else n - 1)
+            if verified:  # drafted or not (DESIGN.md, *Speculative statistics*)
+                st.stats.add(keep, drafted[i])
             text = ""
-            ts = st.text
-            if ts is not None:
+            if st.text is not None:
                 text, update = texts[i]
                 if update is not None:
-                    ts.prefix_offset, ts.read_offset, ts.extra, ts.tail, ts.pending = update
-                ts.chars_sent += len(text)
-            if fin is None:
-                done, reason, matched, flen, fstep = False, None, None, None, None
-            else:
-                done, reason, matched, flen, fstep = (
-                    True, fin.reason, fin.matched, fin.finished_len, step
-                )  # fmt: skip
-                st.status = _STATUS[fin.kind]
-                st.finished_len = flen
-                st.matched_stop = matched
-                st.finish_step = step
-                self._retire(st)
-            append(
-                RequestOutput(
-                    st.rid, ids, text, out_lp, out_top, done, reason, matched, flen, fstep,
-                    stats.verify_ct, stats.accepted_tokens, stats.histogram.copy(),
-                )
-            )  # fmt: skip
+                    st.text.apply(update)
+            if fin is not None:
+                self._finish(st, fin, cols.step)
+            append(_delta(st, ids, text, out_lp, out_top))
         return outs
+
+    def _finish(self, st: RequestState, fin: Finish, step: int) -> None:
+        st.status = _STATUS[fin.kind]
+        st.finish_kind = fin.kind_name
+        st.finished_len = fin.finished_len
+        st.matched_stop = fin.matched
+        st.finish_step = step
+        self._retire(st)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -302,102 +330,47 @@ class OutputProcessor:
             return set()
         return set((np.searchsorted(cols.offsets, where, side="right") - 1).tolist())
 
-    def _detokenize(
-        self,
-        live: list[tuple[int, RequestState]],
-        offs: list[int],
-        toks: list[int],
-        fins: dict[int, Finish],
-        grammar_at: dict[int, int],
-        texts: dict[int, tuple[str, tuple | None]],
-    ) -> None:
-        """Fill `texts[i] = (text delta, new text offsets or None when finishing)`; may move a
-        finish earlier (`fins`) when a stop string completes before it."""
-        detok = self.detokenizer
-        special = detok.special_ids
-        context_free = detok.context_free
-        byte_tokens = detok.byte_tokens
-        seqs: list[list[int]] = []
-        skips: list[bool] = []
-        jobs = []
-        for i, st in live:
-            a = offs[i]
-            fin = fins.get(i) if fins else None
-            if fin is None:
-                window = toks[a : offs[i + 1]]
-            else:
-                n_text = fin.pos - len(st.output_ids) + 1
-                if fin.kind is FinishKind.STOP_TOKEN and fin.matched in special:
-                    n_text -= 1  # a special stop token's text is not emitted
-                window = toks[a : a + n_text]
-            ts = st.text
-            ids = st.output_ids
-            p = ts.prefix_offset
-            s0 = len(seqs)
-            seq = ids[p:].tolist() + window if p < len(ids) else window
-            seqs.append(seq)
-            skip = st.params.skip_special_tokens
-            skips.append(skip)
-            if not context_free:
-                seqs.append(ids[p : ts.read_offset].tolist())
-                skips.append(skip)
-            s_run = -1  # the decode without a trailing byte-fallback run, when there is one
-            if byte_tokens and fin is None and seq and seq[-1] in byte_tokens:
-                s_run = len(seqs)
-                seqs.append(seq[: len(seq) - detok.trailing_byte_run(seq)])
-                skips.append(skip)
-            jobs.append((i, st, window, s0, s_run))
-        decoded = detok.decode_batch(seqs, skips)
 
-        for i, st, window, s0, s_run in jobs:
-            ts = st.text
-            full = decoded[s0]
-            base = ts.extra if context_free else len(decoded[s0 + 1]) + ts.extra
-            # Commit all but trailing U+FFFD (detokenizer.stable_len, inlined on this per-request
-            # path), and none of a trailing byte-fallback run's text (a later byte may turn it
-            # into U+FFFDs).
-            stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
-            if s_run >= 0:
-                stable = min(stable, len(decoded[s_run]))
-            new = full[base:stable] if stable > base else ""
-            start = len(st.output_ids)
-            fin = fins.get(i) if fins else None
-            stops = st.stops
-            if stops is not None:
-                tail = ts.tail
-                context_text = tail + new
-                hit = None
-                if new and stops.may_complete(new):
-                    hit = stops.find(context_text, len(tail))
-                if hit is not None:  # rare: map it to its token, honour min_new_tokens
-                    found = detok.first_stop(
-                        ts, st.output_ids, window, DecodedWindow(full, base), stops, hit,
-                        st.rules.min_new_tokens, st.params.skip_special_tokens,
-                    )  # fmt: skip
-                    if found is not None:
-                        pos, (m_start, m_end, matched) = found
-                        full_window = toks[offs[i] : offs[i + 1]]
-                        sh = StopStringHit(pos, matched)
-                        fin = fins[i] = find_finish(
-                            full_window, start, st.rules, sh, grammar_at.get(i)
-                        )
-                        if fin.kind is FinishKind.STOP_STRING:
-                            sent = len(tail) - len(ts.pending)  # where the unsent text starts
-                            cut = m_end if st.params.include_stop_str_in_output else m_start
-                            texts[i] = (context_text[sent:cut], None)
-                            continue
-            if fin is not None:  # settle: the decode of the retained ids, all of it
-                texts[i] = (ts.pending + full[base:], None)
-                continue
-            text = ts.pending + new if ts.pending else new
-            pending = tail = ""
-            if stops is not None:
-                if not st.params.include_stop_str_in_output:
-                    hold = min(stops.held_len(context_text), len(text))
-                    if hold:
-                        pending = text[len(text) - hold :]
-                        text = text[: len(text) - hold]
-                if stops.max_len > 1:
-                    tail = context_text[1 - stops.max_len :]
-            offsets = detok.advance(ts, full, base, stable, start + len(window))
-            texts[i] = (text, (*offsets, tail, pending))
+def _delta(
+    st: RequestState,
+    ids: list[int],
+    text: str,
+    logprobs: list[float] | None,
+    top_logprobs: list[list[tuple[int, float]]] | None,
+) -> RequestOutput:
+    """The one place a RequestOutput is built: this step's ids, text and logprobs; the finish and
+    the cumulative statistics as the request's state holds them."""
+    stats = st.stats
+    return RequestOutput(
+        rid=st.rid,
+        token_ids=ids,
+        text=text,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        finished=st.status is not RequestStatus.RUNNING,
+        finish_reason=st.finish_reason,
+        finish_kind=st.finish_kind,
+        matched_stop=st.matched_stop,
+        finished_len=st.finished_len,
+        finish_step=st.finish_step,
+        spec_verify_ct=stats.verify_ct,
+        spec_accepted_tokens=stats.accepted_tokens,
+        spec_acceptance_histogram=stats.histogram.copy(),
+        spec_draft_tokens=stats.draft_tokens,
+    )
+
+
+@dataclass(slots=True)
+class _Step:
+    """One step's columns as Python lists, and what each pass found (indices into the step)."""
+
+    cols: StepColumns
+    offs: list[int]
+    toks: list[int]
+    live: list[tuple[int, RequestState]] = field(default_factory=list)  # known, not stale
+    slow: list[tuple[int, RequestState]] = field(default_factory=list)  # might finish
+    tops: list[tuple[int, int]] = field(default_factory=list)  # (index, top-N) asking top-N
+    want_lp: bool = False
+    fins: dict[int, Finish] = field(default_factory=dict)
+    grammar_at: dict[int, int] = field(default_factory=dict)  # window index the grammar ended
+    texts: dict[int, tuple[str, TextUpdate | None]] = field(default_factory=dict)

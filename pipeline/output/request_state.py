@@ -3,7 +3,7 @@
 Invariants (between steps):
 - `output_ids` holds exactly the retained output; once finished, `len(output_ids) == finished_len`.
 - `logprobs_sent == len(output_ids)`: every retained token's logprob went out in exactly one delta.
-- Text: everything emitted + `text.pending` == the committed text (see pipeline.output.detokenizer).
+- Text: everything emitted + `text.pending` == the committed text (pipeline.output.text).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 from pipeline.output.finish import StopRules
+from pipeline.output.text import StopStrings, TextState
 from pipeline.params import SamplingParams
 
 
@@ -28,40 +29,35 @@ class RequestStatus(Enum):
         return self is not RequestStatus.RUNNING
 
 
-@dataclass(slots=True)
-class TextState:
-    """Incremental detokenization of one request (vLLM-style offsets into `output_ids`).
-
-    Text of the window `output_ids[prefix_offset:]` is decoded each step; `prefix_offset..
-    read_offset` is context already turned into text (`decode(ids[prefix:read])`, empty for
-    byte-level tokenizers, which need no context). `extra` counts committed characters of the
-    window beyond that context text; trailing U+FFFD (a character whose bytes have not all
-    arrived) is never committed until a later token or the finish settles it.
-    """
-
-    prefix_offset: int = 0
-    read_offset: int = 0
-    extra: int = 0
-    tail: str = ""  # last (max stop length - 1) committed chars: context for the stop search
-    pending: str = ""  # committed text held back: it could be the start of a stop string
-    chars_sent: int = 0
+def count_into(histogram: list[int], index: int) -> None:
+    """`histogram[index] += 1`, growing the list as needed: the one acceptance-histogram rule
+    (request statistics here, the engine's raw counts in pipeline.engine.core)."""
+    if index >= len(histogram):
+        histogram.extend([0] * (index + 1 - len(histogram)))
+    histogram[index] += 1
 
 
 @dataclass(slots=True)
 class SpecStats:
-    """Speculative statistics over the retained output (DESIGN.md)."""
+    """Speculative statistics over the retained output (DESIGN.md, *Speculative statistics*).
+
+    Every step after the prefill that retained tokens is a verify step, drafted or not. A step
+    retaining `kept` tokens counts `kept - 1` accepted: the whole window less the target's token,
+    or, when a finish cut the window, the retained tokens less the one the forward paid for.
+    That keeps `completion_tokens == 1 + verify_ct + accepted_tokens` exact for every request.
+    """
 
     verify_ct: int = 0
     accepted_tokens: int = 0
+    draft_tokens: int = 0
     histogram: list[int] = field(default_factory=list)
 
-    def add(self, accepted: int) -> None:
-        hist = self.histogram
-        if accepted >= len(hist):
-            hist.extend([0] * (accepted + 1 - len(hist)))
-        hist[accepted] += 1
+    def add(self, kept: int, drafted: int) -> None:
+        """One verify step that retained `kept >= 1` tokens of a window with `drafted` drafts."""
+        count_into(self.histogram, kept - 1)
         self.verify_ct += 1
-        self.accepted_tokens += accepted
+        self.accepted_tokens += kept - 1
+        self.draft_tokens += drafted
 
 
 @dataclass(slots=True)
@@ -76,11 +72,12 @@ class RequestState:
     status: RequestStatus = RequestStatus.RUNNING
     finished_len: int | None = None
     matched_stop: int | str | None = None
+    finish_kind: str | None = None  # RequestOutput.finish_kind
     finish_step: int | None = None
     last_step: int = -1  # newest step applied: a replayed or stale step is dropped, not re-applied
     logprobs_sent: int = 0
     text: TextState | None = None  # None when the processor has no tokenizer
-    stops: Any = None  # a pipeline.output.detokenizer.StopStrings, or None without stop strings
+    stops: StopStrings | None = None  # None without stop strings
     grammar: Any = None  # a pipeline.grammar.GrammarMatcher, or None
     stats: SpecStats = field(default_factory=SpecStats)
 

@@ -105,6 +105,7 @@ class TracedOutputProcessor:
                 attrs["request.completion_tokens"] = out.finished_len or 0
                 attrs["spec.verify_ct"] = out.spec_verify_ct
                 attrs["spec.accepted_tokens"] = out.spec_accepted_tokens
+                attrs["spec.draft_tokens"] = out.spec_draft_tokens
             self._end_request(rid, attrs)
         return out
 
@@ -180,6 +181,7 @@ class TracedOutputProcessor:
                 "finish.step": out.finish_step if out.finish_step is not None else step,
                 "spec.verify_ct": out.spec_verify_ct,
                 "spec.accepted_tokens": out.spec_accepted_tokens,
+                "spec.draft_tokens": out.spec_draft_tokens,
             },
         )
         return {
