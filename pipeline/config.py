@@ -14,7 +14,7 @@ from pipeline.gc_tuning import DEFAULT_GEN0_THRESHOLD
 from pipeline.placement import Placement, parse_placement
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DRAFT_KINDS = ("ngram", "model", "none")
+DRAFT_KINDS = ("ngram", "suffix", "model", "none")
 BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -26,7 +26,7 @@ class EngineConfig:
 
     model: str = "smollm2"
     name: str | None = None  # served model name; defaults to the source's base name
-    draft: str = "ngram"  # ngram | model | none
+    draft: str = "ngram"  # ngram | suffix | model | none
     draft_model: str | None = None  # for draft: model; `tiny:<seed>` pairs with `model: tiny:<seed>`
     draft_agreement_noise: float = 0.1  # tiny draft only: weight noise vs the target
     num_speculative_tokens: int = 4
@@ -50,6 +50,15 @@ class EngineConfig:
     step_timeout_p99_multiple: float = 10.0
     ngram_min_n: int = 1
     ngram_max_n: int = 4
+    # draft: suffix (pipeline.draft.suffix): drafts up to num_speculative_tokens long, cut where
+    # the continuation's frequency score drops below suffix_min_score or past
+    # suffix_spec_factor * the matched length; the global index keeps the outputs of the last
+    # suffix_global_requests finished requests, at most suffix_global_tokens tokens.
+    suffix_max_depth: int = 32
+    suffix_min_score: float = 0.1
+    suffix_spec_factor: float = 1.0
+    suffix_global_requests: int = 1000
+    suffix_global_tokens: int = 262_144
     torch_threads: int | None = None  # per actor; None leaves torch's default
     # Engine and output actors: gen-0 GC threshold after a gc.freeze() (pipeline.gc_tuning);
     # None leaves CPython's defaults.
@@ -67,6 +76,14 @@ class EngineConfig:
         _positive_int("reserved_slots", self.reserved_slots, minimum=0)
         _positive_int("ngram_min_n", self.ngram_min_n)
         _positive_int("ngram_max_n", self.ngram_max_n, minimum=self.ngram_min_n)
+        _positive_int("suffix_max_depth", self.suffix_max_depth)
+        _positive_int("suffix_global_requests", self.suffix_global_requests)
+        _positive_int("suffix_global_tokens", self.suffix_global_tokens, minimum=64)
+        _positive_number("suffix_spec_factor", self.suffix_spec_factor)
+        if isinstance(self.suffix_min_score, bool) or not isinstance(
+                self.suffix_min_score, (int, float)) or not 0 <= self.suffix_min_score <= 1:
+            raise ValueError(f"suffix_min_score: must be a number in [0, 1], "
+                             f"got {self.suffix_min_score!r}")
         if self.torch_threads is not None:
             _positive_int("torch_threads", self.torch_threads)
         if self.gc_gen0_threshold is not None:

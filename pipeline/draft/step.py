@@ -29,6 +29,15 @@ def _ngram(config: EngineConfig) -> Proposer:
     return NgramProposer(config.ngram_min_n, config.ngram_max_n)
 
 
+def _suffix(config: EngineConfig) -> Proposer:
+    from pipeline.draft.suffix import SuffixProposer, SuffixSettings
+
+    return SuffixProposer(SuffixSettings(
+        max_depth=config.suffix_max_depth, min_score=config.suffix_min_score,
+        spec_factor=config.suffix_spec_factor, global_requests=config.suffix_global_requests,
+        global_tokens=config.suffix_global_tokens, max_model_len=config.max_model_len))
+
+
 def _model(config: EngineConfig) -> Proposer:
     from pipeline.draft.model import DraftModelProposer
     from pipeline.models.runners import build_runner
@@ -42,4 +51,4 @@ def _none(config: EngineConfig) -> Proposer:
     return NoProposer()
 
 
-_BUILDERS = {"ngram": _ngram, "model": _model, "none": _none}
+_BUILDERS = {"ngram": _ngram, "suffix": _suffix, "model": _model, "none": _none}

@@ -1,0 +1,225 @@
+"""A bounded token index that answers "what followed the longest earlier match of this context,
+and how often" (the lookup behind suffix drafting, arXiv 2411.04975).
+
+Layout, after the hash chains of LZ77 compressors (zlib's `head`/`prev`): tokens live in a ring
+of `capacity` slots addressed by an absolute position that only grows; for each anchor length
+`a` in ANCHORS, `head[bucket]` holds the newest position whose last `a` tokens hash to `bucket`
+and `prev[pos]` the next older one, so a lookup walks newest -> oldest and stops at the first
+evicted position. Memory is fixed when the index is built (no per-token Python objects), an
+insert costs O(len(tokens) * len(ANCHORS)) vectorised, and eviction is moving `oldest`.
+
+Why not a suffix tree or automaton: in Python every node is an object (~100+ bytes per token at
+1M tokens, and a deep tree per insert); the chains keep a lookup to a few small numpy ops and the
+memory to ~4 + 16 * len(ANCHORS) bytes per token of capacity. What they give up is exactness for
+very frequent contexts: only the newest `max_candidates` occurrences of an anchor are examined.
+
+Runs (one finished request each in the global index) are separated by SEPARATOR, so neither a
+match nor a continuation crosses from one run into the next; `max_runs` evicts whole old runs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ANCHORS = (8, 3, 1)  # anchor lengths, tried longest first: a rare long match beats a recent short
+SEPARATOR = -1  # between runs; never a token id, so it matches no context
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier (odd, well mixed)
+
+
+@dataclass
+class Match:
+    """A draft read off the index. `confidence[j]` = (occurrences of the matched context whose
+    continuation agrees with tokens[:j+1]) / (occurrences of the matched context): the
+    frequency estimate that drafts 0..j are all accepted. Non-increasing."""
+
+    tokens: list[int] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+    match_len: int = 0  # how many context tokens the occurrences matched
+    occurrences: int = 0
+
+    @property
+    def score(self) -> float:
+        """Expected accepted drafts under the frequency estimate."""
+        return float(sum(self.confidence))
+
+
+class TokenIndex:
+    def __init__(self, capacity: int, max_depth: int = 32, max_candidates: int = 64,
+                 max_runs: int | None = None) -> None:
+        if capacity < 1 or max_depth < 1 or max_candidates < 1:
+            raise ValueError("TokenIndex: capacity, max_depth and max_candidates must be >= 1")
+        self.capacity = capacity
+        self.max_depth = max_depth
+        self.max_candidates = max_candidates
+        self.max_runs = max_runs
+        slots = 1 << max(capacity - 1, 1).bit_length()  # ring size: a power of two >= capacity
+        self._mask = slots - 1
+        self._bits = slots.bit_length() - 1
+        self._buf = np.full(slots, SEPARATOR, dtype=np.int32)
+        self._head = {a: np.full(slots, -1, dtype=np.int64) for a in ANCHORS}
+        self._prev = {a: np.full(slots, -1, dtype=np.int64) for a in ANCHORS}
+        self.end = 0  # absolute position one past the newest token
+        self.oldest = 0  # absolute position of the oldest live token
+        self._runs: deque[int] = deque()  # start position of each live run, oldest first
+        self._open = False  # the newest run still takes tokens
+
+    def __len__(self) -> int:
+        """Live tokens (separators included): never more than `capacity`."""
+        return self.end - self.oldest
+
+    @property
+    def num_runs(self) -> int:
+        return len(self._runs)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.nbytes + sum(h.nbytes + p.nbytes
+                                      for h, p in zip(self._head.values(), self._prev.values()))
+
+    # --- writing ----------------------------------------------------------------------------
+    def extend(self, tokens: list[int] | np.ndarray) -> None:
+        """Append tokens to the newest run (evicting the oldest tokens past `capacity`)."""
+        new = np.asarray(tokens, dtype=np.int32).reshape(-1)[-self.capacity:]
+        if new.size == 0:
+            return
+        if not self._open:
+            self._runs.append(self.end)
+            self._open = True
+        start, self.end = self.end, self.end + new.size
+        self._buf[np.arange(start, self.end) & self._mask] = new
+        self._evict(self.end - self.capacity)
+        for a in ANCHORS:
+            self._link(a, start)
+
+    def end_run(self) -> None:
+        """Close the newest run with a separator; evict whole runs past `max_runs`."""
+        if not self._open:
+            return
+        self.extend([SEPARATOR])
+        self._open = False
+        if self.max_runs is not None:
+            while len(self._runs) > self.max_runs:
+                self._runs.popleft()
+                self._evict(self._runs[0])
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Live tokens at absolute positions [start, stop)."""
+        start = max(start, self.oldest)
+        return self._buf[np.arange(start, max(start, stop)) & self._mask].astype(np.int64)
+
+    def _evict(self, new_oldest: int) -> None:
+        self.oldest = max(self.oldest, new_oldest)
+        while len(self._runs) > 1 and self._runs[1] <= self.oldest:
+            self._runs.popleft()
+
+    def _link(self, a: int, start: int) -> None:
+        """Chain positions [start, end) whose last `a` tokens are live and separator-free."""
+        pos = np.arange(max(start, self.oldest + a - 1), self.end, dtype=np.int64)
+        if pos.size == 0:
+            return
+        grams = self._buf[(pos[:, None] - np.arange(a)) & self._mask]
+        pos = pos[(grams >= 0).all(axis=1)]
+        if pos.size == 0:
+            return
+        buckets = self._bucket(grams[(grams >= 0).all(axis=1)])
+        order = np.argsort(buckets, kind="stable")  # within a bucket: oldest first
+        b, p = buckets[order], pos[order]
+        same = np.zeros(b.size, dtype=bool)
+        same[1:] = b[1:] == b[:-1]
+        prev = self._head[a][b]
+        prev[same] = p[:-1][same[1:]]
+        self._prev[a][p & self._mask] = prev
+        last = np.ones(b.size, dtype=bool)
+        last[:-1] = ~same[1:]
+        self._head[a][b[last]] = p[last]
+
+    def _bucket(self, grams: np.ndarray) -> np.ndarray:
+        """[n, a] token grams (newest token first) -> [n] bucket ids."""
+        h = np.zeros(grams.shape[0], dtype=np.uint64)
+        for col in grams.T.astype(np.uint64):
+            h = (h ^ col) * _MULT
+        return (h >> np.uint64(64 - self._bits)).astype(np.int64)
+
+    # --- reading ----------------------------------------------------------------------------
+    def match(self, context: np.ndarray, max_tokens: int, min_score: float = 0.0,
+              spec_factor: float = 1.0, exclude_last: bool = False) -> Match:
+        """The draft continuing `context` ([n] token ids, newest last): find the occurrences of
+        its longest suffix (up to `max_depth`) among the newest `max_candidates` occurrences
+        of its longest anchor, then follow their continuations, taking the most frequent
+        token at each position, while the confidence stays >= `min_score`. At most
+        `max_tokens` and `spec_factor * match_len` tokens (a short match earns a short draft).
+        `exclude_last`: skip the occurrence ending at the newest position (the context itself,
+        when the context is this index's own tail)."""
+        context = np.asarray(context, dtype=np.int64)[-self.max_depth:]
+        for a in ANCHORS:
+            if a > context.size:
+                continue
+            cands = self._candidates(a, context[-a:], exclude_last)
+            if cands.size == 0:
+                continue
+            lens = self._match_lens(cands, context)
+            true = lens >= a  # a different gram in the same bucket matches less than a
+            if not true.any():
+                continue
+            best = int(lens[true].max())
+            occ = cands[lens == best]  # newest first
+            limit = min(max_tokens, int(spec_factor * best))
+            tokens, conf = self._follow(occ, limit, min_score)
+            return Match(tokens, conf, best, int(occ.size))
+        return Match()
+
+    def _candidates(self, a: int, gram: np.ndarray, exclude_last: bool) -> np.ndarray:
+        pos = int(self._head[a][self._bucket(gram[::-1][None, :])[0]])
+        prev = self._prev[a]
+        out: list[int] = []
+        while pos >= self.oldest and len(out) < self.max_candidates:
+            if not (exclude_last and pos == self.end - 1):
+                out.append(pos)
+            pos = int(prev[pos & self._mask])
+        return np.asarray(out, dtype=np.int64)
+
+    def _match_lens(self, cands: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """[m] how many tokens ending at each candidate equal the context's tail."""
+        back = cands[:, None] - np.arange(context.size)  # [m, n] positions, newest first
+        same = (self._buf[back & self._mask] == context[::-1]) & (back >= self.oldest)
+        return np.cumprod(same, axis=1).sum(axis=1)
+
+    def _follow(self, occ: np.ndarray, limit: int, min_score: float
+                ) -> tuple[list[int], list[float]]:
+        if limit <= 0:
+            return [], []
+        ahead = occ[:, None] + 1 + np.arange(limit)  # [m, limit]
+        cont = self._buf[ahead & self._mask].astype(np.int64)
+        valid = np.cumprod((ahead < self.end) & (cont >= 0), axis=1).astype(bool)
+        total = occ.size
+        alive = np.ones(total, dtype=bool)
+        tokens: list[int] = []
+        conf: list[float] = []
+        for j in range(limit):
+            here = alive & valid[:, j]
+            n_here = int(here.sum())
+            if n_here == 0:
+                break
+            if n_here == 1:  # one occurrence left: the rest of its run, at a constant score
+                row = int(np.flatnonzero(here)[0])
+                score = 1.0 / total
+                if score < min_score:
+                    break
+                rest = cont[row, j:][valid[row, j:]]
+                tokens += rest.tolist()
+                conf += [score] * int(rest.size)
+                break
+            values, first, counts = np.unique(cont[here, j], return_index=True,
+                                              return_counts=True)
+            # most frequent; ties go to the newest occurrence (rows are newest first)
+            pick = int(np.lexsort((first, -counts))[0])
+            score = float(counts[pick]) / total
+            if score < min_score:
+                break
+            tokens.append(int(values[pick]))
+            conf.append(score)
+            alive = here & (cont[:, j] == values[pick])
+        return tokens, conf

@@ -1,0 +1,142 @@
+"""Suffix drafting costs, no model: per-step propose time at several global index sizes, the
+insert cost of a finished request, and the process RSS over many synthetic requests.
+
+    .venv/bin/python scripts/bench_suffix.py [--sizes 1000 100000 1000000] [--requests 10000]
+
+The synthetic traffic reuses a pool of "documents" (random token runs) so lookups find real
+matches: each request's prompt ends with a slice of one document and its output continues it,
+which is the agentic pattern (the same file rewritten across requests) the index is for.
+Per-step numbers are one request's propose (own index + global index lookup), median and p99
+over `--steps` lookups; prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+
+from pipeline.draft.suffix import SuffixProposer, SuffixSettings
+from pipeline.params import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+class Traffic:
+    """Requests over a pool of documents: prompt = 64 random tokens + a document slice, output =
+    the slice's next `out_len` tokens with 5% of tokens changed (an edit)."""
+
+    def __init__(self, seed: int, vocab: int = 49152, docs: int = 200, doc_len: int = 2000
+                 ) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.docs = self.rng.integers(0, vocab, (docs, doc_len))
+
+    def request(self, out_len: int = 128) -> tuple[list[int], list[int]]:
+        doc = self.docs[self.rng.integers(len(self.docs))]
+        at = int(self.rng.integers(64, len(doc) - out_len))
+        prompt = np.concatenate([self.rng.integers(0, self.vocab, 64), doc[at - 64:at]])
+        out = doc[at:at + out_len].copy()
+        edits = self.rng.random(out_len) < 0.05
+        out[edits] = self.rng.integers(0, self.vocab, int(edits.sum()))
+        return prompt.tolist(), out.tolist()
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def fill(p: SuffixProposer, traffic: Traffic, tokens: int, rid_base: str) -> int:
+    """Finish requests until `tokens` tokens went into the global index; returns how many."""
+    n = 0
+    while p.global_index.end < tokens:
+        prompt, out = traffic.request()
+        rid = f"{rid_base}{n}"
+        p.add(rid, prompt, GREEDY)
+        p.commit(rid, out)
+        p.remove(rid)
+        n += 1
+    return n
+
+
+def step_cost(size: int, steps: int, k: int, seed: int) -> dict:
+    settings = SuffixSettings(global_tokens=size, global_requests=10**9, max_model_len=4096)
+    p = SuffixProposer(settings)
+    traffic = Traffic(seed)
+    t0 = time.perf_counter()
+    used = fill(p, traffic, size, "fill")
+    fill_s = time.perf_counter() - t0
+    times, drafted, commit_times = [], [], []
+    prompt, out = traffic.request(out_len=steps + 8)
+    p.add("probe", prompt, GREEDY)
+    for i in range(steps):
+        t = time.perf_counter()
+        proposal = p.propose(["probe"], [k])
+        times.append(time.perf_counter() - t)
+        drafted.append(len(proposal.tokens[0]))
+        t = time.perf_counter()
+        p.commit("probe", [out[i]])
+        commit_times.append(time.perf_counter() - t)
+    times_us = sorted(x * 1e6 for x in times)
+    return {
+        "index_tokens": len(p.global_index), "index_requests": p.global_index.num_runs,
+        "index_mb": round(p.global_index.nbytes / 2**20, 1),
+        "finish_us_per_request": round(fill_s / used * 1e6, 1),  # add + commit + remove
+        "finish_us_per_token": round(fill_s / p.global_index.end * 1e6, 2),
+        "propose_us_p50": round(statistics.median(times_us), 1),
+        "propose_us_p99": round(times_us[int(0.99 * (len(times_us) - 1))], 1),
+        "commit_us_p50": round(statistics.median(commit_times) * 1e6, 1),
+        "mean_drafted": round(statistics.fmean(drafted), 2), "k": k,
+    }
+
+
+def rss_growth(requests: int, seed: int, settings: SuffixSettings) -> dict:
+    p = SuffixProposer(settings)
+    traffic = Traffic(seed)
+    marks = {}
+    start = rss_mb()
+    for i in range(requests):
+        prompt, out = traffic.request(out_len=int(traffic.rng.integers(16, 256)))
+        rid = f"r{i}"
+        p.add(rid, prompt, GREEDY)
+        for at in range(0, len(out), 4):  # decode in 4-token steps, drafting each time
+            p.propose([rid], [16])
+            p.commit(rid, out[at:at + 4])
+        p.remove(rid)
+        if (i + 1) % max(1, requests // 5) == 0:
+            marks[i + 1] = round(rss_mb(), 1)
+    return {"requests": requests, "rss_mb_start": round(start, 1), "rss_mb_at": marks,
+            "index_tokens": len(p.global_index), "index_runs": p.global_index.num_runs,
+            "limit_tokens": settings.global_tokens, "limit_runs": settings.global_requests,
+            "index_mb": round(p.global_index.nbytes / 2**20, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 100_000, 1_000_000])
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    report = {"step_cost": [step_cost(s, args.steps, args.k, args.seed) for s in args.sizes]}
+    report["rss"] = rss_growth(args.requests, args.seed, SuffixSettings(
+        global_requests=1000, global_tokens=262_144, max_model_len=4096))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

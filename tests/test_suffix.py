@@ -1,0 +1,209 @@
+"""Suffix drafting: the bounded token index (longest-suffix match, counts, eviction) and the
+proposer over it (per-request + global index, greedy output unchanged through the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_decode import greedy_reference
+
+from pipeline.config import load_config
+from pipeline.draft.step import build_proposer
+from pipeline.draft.suffix import SuffixProposer, SuffixSettings
+from pipeline.draft.suffix_index import TokenIndex
+from pipeline.engine.local import build_local_engine, collect
+from pipeline.models.runners import build_runner
+from pipeline.params import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def own_tail(index: TokenIndex, n: int = 32) -> np.ndarray:
+    return index.tokens(index.end - n, index.end)
+
+
+# --- the index ------------------------------------------------------------------------------
+def test_longest_suffix_wins_over_a_newer_shorter_match():
+    ix = TokenIndex(100, max_depth=8)
+    ix.extend([1, 2, 3, 40, 41, 9, 2, 3, 50, 1, 2, 3])
+    m = ix.match(own_tail(ix), 4, spec_factor=4, exclude_last=True)
+    # "1 2 3" occurred once before (followed by 40 41); "2 3" alone more recently (then 50)
+    assert m.match_len == 3 and m.occurrences == 1
+    assert m.tokens == [40, 41, 9, 2] and m.confidence == [1.0] * 4
+
+
+def test_confidence_is_agreeing_continuations_over_context_occurrences():
+    ix = TokenIndex(100, max_depth=4)
+    for tail in ([7, 8], [7, 8], [7, 9], [6, 6]):
+        ix.extend([1, 2, *tail])
+        ix.end_run()
+    m = ix.match(np.array([1, 2]), 4, spec_factor=2)
+    assert m.occurrences == 4
+    assert m.tokens == [7, 8] and m.confidence == [0.75, 0.5]
+    # below the threshold the draft stops
+    assert ix.match(np.array([1, 2]), 4, min_score=0.6, spec_factor=2).tokens == [7]
+
+
+def test_draft_length_follows_match_length_and_k():
+    ix = TokenIndex(100, max_depth=8)
+    ix.extend(list(range(10, 30)))
+    ix.end_run()
+    assert ix.match(np.array([12]), 10).tokens == [13]  # 1 matched token earns 1 draft
+    assert ix.match(np.array([10, 11, 12]), 10).tokens == [13, 14, 15]
+    assert ix.match(np.array([10, 11, 12]), 2, spec_factor=9).tokens == [13, 14]
+    assert ix.match(np.array([10, 11, 12]), 0).tokens == []
+
+
+def test_continuations_stop_at_a_run_separator():
+    ix = TokenIndex(100, max_depth=8)
+    ix.extend([5, 6, 7])
+    ix.end_run()
+    ix.extend([8, 9])
+    m = ix.match(np.array([5, 6]), 10, spec_factor=9)
+    assert m.tokens == [7]
+    assert ix.match(np.array([7]), 10).tokens == []  # 7 ended its run: nothing follows it
+
+
+def test_no_match_drafts_nothing():
+    ix = TokenIndex(100)
+    ix.extend([1, 2, 3])
+    assert ix.match(np.array([4]), 5).tokens == []
+    assert TokenIndex(10).match(np.array([1]), 5).tokens == []
+
+
+def test_token_capacity_evicts_the_oldest_tokens():
+    ix = TokenIndex(capacity=64, max_depth=8)
+    ix.extend([1, 2, 3, 4])
+    ix.end_run()
+    assert ix.match(np.array([1, 2]), 2, spec_factor=9).tokens == [3, 4]
+    ix.extend([100] * 70)  # pushes the first run out
+    assert len(ix) == 64
+    assert ix.match(np.array([1, 2]), 2, spec_factor=9).tokens == []
+
+
+def test_run_limit_evicts_whole_runs():
+    ix = TokenIndex(capacity=1000, max_depth=8, max_runs=2)
+    for r in range(5):
+        ix.extend([1, 2, 10 + r])
+        ix.end_run()
+    assert ix.num_runs == 2 and len(ix) == 8  # two runs of 3 tokens + separator
+    m = ix.match(np.array([1, 2]), 1, spec_factor=2)
+    assert m.occurrences == 2 and m.tokens == [14]  # a tie goes to the newest
+
+
+@settings(max_examples=60, deadline=None)
+@given(seq=st.lists(st.integers(0, 3), min_size=2, max_size=60),
+       ctx=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+def test_match_agrees_with_a_brute_force_scan(seq, ctx):
+    """Small alphabet, few tokens: every occurrence is a candidate, so the index must find the
+    same longest match, occurrence count and first draft token as a scan of the sequence."""
+    ix = TokenIndex(capacity=128, max_depth=6, max_candidates=128)
+    ix.extend(seq)
+    m = ix.match(np.array(ctx), 1, spec_factor=1)
+
+    def matched(end: int) -> int:
+        n = 0
+        while n < len(ctx) and end - n >= 0 and seq[end - n] == ctx[-1 - n]:
+            n += 1
+        return n
+
+    lens = [matched(e) for e in range(len(seq))]
+    best = max(lens)
+    assert m.match_len == best
+    if best == 0:
+        assert m.tokens == []
+        return
+    occ = [e for e in range(len(seq)) if lens[e] == best]
+    assert m.occurrences == len(occ)
+    nexts = [seq[e + 1] for e in occ if e + 1 < len(seq)]
+    if not nexts:
+        assert m.tokens == []
+        return
+    top = max(nexts.count(t) for t in set(nexts))
+    assert m.confidence == [top / len(occ)]
+    assert nexts.count(m.tokens[0]) == top
+
+
+def test_global_index_stays_within_its_size_over_10000_requests():
+    p = SuffixProposer(SuffixSettings(max_depth=8, global_requests=500, global_tokens=4096,
+                                      max_model_len=128))
+    rng = np.random.default_rng(0)
+    nbytes = p.global_index.nbytes
+    for i in range(10_000):
+        rid = f"r{i}"
+        p.add(rid, rng.integers(0, 1000, 8).tolist(), GREEDY)
+        p.commit(rid, rng.integers(0, 1000, int(rng.integers(1, 20))).tolist())
+        p.remove(rid)
+        assert len(p.global_index) <= 4096 and p.global_index.num_runs <= 500
+    assert p.global_index.nbytes == nbytes  # preallocated: eviction, never growth
+    assert p._seqs == {}
+
+
+# --- the proposer ---------------------------------------------------------------------------
+def test_proposer_copies_from_its_own_prompt_and_reports_confidence():
+    p = SuffixProposer(SuffixSettings(max_model_len=64, spec_factor=4))
+    p.add("a", [10, 11, 12, 13, 14, 15, 10, 11], GREEDY)
+    out = p.propose(["a"], [4])
+    assert out.tokens == [[12, 13, 14, 15]] and out.confidence == [[1.0] * 4]
+    p.commit("a", [12, 99])
+    assert p.propose(["a"], [4]).tokens == [[]]  # "99" never occurred before
+    assert p.propose(["a"], [0]).tokens == [[]]
+
+
+def test_finished_output_drafts_for_the_next_request_with_the_same_prompt_end():
+    p = SuffixProposer(SuffixSettings(max_model_len=64, spec_factor=8))
+    p.add("a", [1, 2, 3], GREEDY)
+    p.commit("a", [50, 51, 52, 53])
+    assert p.propose(["a"], [4]).tokens == [[]]  # nothing repeats yet
+    p.remove("a")  # released: its output enters the global index
+    p.add("b", [7, 2, 3], GREEDY)
+    assert p.propose(["b"], [4]).tokens == [[50, 51, 52, 53]]
+    p.remove("b")  # nothing generated: not indexed
+    assert p.global_index.num_runs == 1
+
+
+def test_build_proposer_reads_the_suffix_config():
+    config = load_config("configs/tiny.yaml", {"draft": "suffix", "suffix_global_requests": 7,
+                                               "suffix_min_score": 0.25})
+    p = build_proposer(config)
+    assert isinstance(p, SuffixProposer)
+    assert p.global_index.max_runs == 7 and p.settings.min_score == 0.25
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("suffix_min_score", 1.5), ("suffix_min_score", "high"), ("suffix_global_tokens", 10),
+    ("suffix_global_requests", 0), ("suffix_spec_factor", 0), ("suffix_max_depth", True)])
+def test_bad_suffix_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        load_config("configs/tiny.yaml", {"draft": "suffix", field: value})
+
+
+# --- through the engine -----------------------------------------------------------------------
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 101], [3] * 20, [30, 31, 32, 33, 30, 31]]
+
+
+def test_suffix_engine_greedy_equals_target_only_and_drafts_from_finished_requests():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = load_config("configs/tiny.yaml", {"draft": "suffix",
+                                                   "num_speculative_tokens": 16})
+        runner = build_runner(config.replace(draft="none"))
+        refs = [greedy_reference(runner, p, 30) for p in PROMPTS]
+        core = build_local_engine(config, runner)
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+        first = asyncio.run(collect(core, [(f"a{i}", p, params) for i, p in enumerate(PROMPTS)]))
+        accepted_first = core.stats.accepted_tokens
+        again = asyncio.run(collect(core, [(f"b{i}", p, params) for i, p in enumerate(PROMPTS)]))
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(len(PROMPTS)):
+        assert first[f"a{i}"].token_ids == refs[i]
+        assert again[f"b{i}"].token_ids == refs[i]
+    # the second wave repeats the first wave's outputs, which the global index now holds
+    assert core.stats.accepted_tokens - accepted_first > 2 * len(PROMPTS) * 10
