@@ -25,6 +25,7 @@ from typing import Any
 from ray import serve
 
 from actors.engine_client import EngineClient
+from pipeline.config import EngineConfig, load_config
 from pipeline.frontend.app import API_KEY_ENV, ServerSettings, create_app
 
 log = logging.getLogger(__name__)
@@ -67,18 +68,17 @@ class SpecrelayServer:
     async def __init__(self, config_path: str | None, overrides: dict[str, Any],
                        settings: dict[str, Any]) -> None:
         from actors.engine import start_engine
-        from pipeline.config import load_config
         from pipeline.models.runners import load_engine_tokenizer
         from pipeline.tracing.otel import setup_tracing
 
         loopback_replica_grpc()
-        config = load_config(resolve_config_path(config_path), overrides)
+        config, server_settings = replica_config(config_path, overrides, settings)
         setup_tracing("specrelay-frontend", config.tracing, register_global=False)
         # start_engine and tokenizer loading block (model loads): keep the replica's loop free.
         self.engine = await asyncio.to_thread(start_engine, config)
         tokenizer = await asyncio.to_thread(load_engine_tokenizer, config)
         self.client = EngineClient(self.engine)
-        self.http_app = create_app(self.client, tokenizer, ServerSettings(**settings))
+        self.http_app = create_app(self.client, tokenizer, server_settings)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.http_app
@@ -101,17 +101,28 @@ class SpecrelayServer:
         return await self.http_app.state.server.drain(timeout_s)
 
     async def __del__(self) -> None:
-        # Replica shutdown: stop the engine so its stage actors and placement group go too.
+        # Replica shutdown: stop the engine so its stage actors and placement group go too;
+        # the engine and its output actor export their spans first, then this replica does.
         import ray
 
+        from pipeline.tracing.otel import flush_tracing
+
         engine = getattr(self, "engine", None)
-        if engine is None:
-            return
-        try:
-            await asyncio.wait_for(engine.shutdown.remote(), 30)
-        except Exception as e:  # noqa: BLE001 - killed below either way
-            log.warning("engine shutdown: %s", e)
-        ray.kill(engine, no_restart=True)
+        if engine is not None:
+            try:
+                await asyncio.wait_for(engine.shutdown.remote(), 30)
+            except Exception as e:  # noqa: BLE001 - killed below either way
+                log.warning("engine shutdown: %s", e)
+            ray.kill(engine, no_restart=True)
+        await asyncio.to_thread(flush_tracing)
+
+
+def replica_config(config_path: str | None, overrides: dict[str, Any],
+                   settings: dict[str, Any]) -> tuple[EngineConfig, ServerSettings]:
+    """What a replica builds from build_app's bound arguments, before it starts anything (the
+    chart contract test calls this on every rendered serveConfigV2)."""
+    config = load_config(resolve_config_path(config_path), overrides)
+    return config, ServerSettings(**settings)
 
 
 def resolve_config_path(path: str | None) -> str | None:

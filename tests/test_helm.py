@@ -53,8 +53,8 @@ def helm(*args: str) -> subprocess.CompletedProcess:
 @cache
 def _render(sets: tuple[str, ...]) -> str:
     argv = ["template", RELEASE, str(CHART), "--namespace", "llm"]
-    for s in sets:
-        argv += ["--set", s]
+    for s in sets:  # "json:key=<json>" is passed as --set-json (helm --set reads 0.5 as a string)
+        argv += ["--set-json", s[5:]] if s.startswith("json:") else ["--set", s]
     out = helm(*argv)
     assert out.returncode == 0, f"helm template {shlex.join(argv)} failed:\n{out.stderr}"
     return out.stdout
@@ -159,6 +159,7 @@ CUSTOM = (
     "specrelay.draft.numSpeculativeTokens=6",
     "specrelay.config=/app/configs/llama70b.yaml",
     "otel.endpoint=http://otel-collector.observability:4318",
+    "otel.protocol=http/protobuf",
     r"worker.nodeSelector.cloud\.google\.com/gke-accelerator=nvidia-h100-80gb",
     "worker.tolerations[0].key=dedicated",
     "worker.tolerations[0].operator=Equal",
@@ -212,15 +213,13 @@ def test_custom_values_render_into_the_rayservice():
             "draft_model": "meta-llama/Llama-3.2-1B-Instruct",
             "num_speculative_tokens": 6,
             "tensor_parallel_size": 4,
+            "tracing": {"exporter": "otlp", "otlp_protocol": "http/protobuf",
+                        "otlp_endpoint": "http://otel-collector.observability:4318"},
+            "placement": {"verifier_strategy": "PACK", "verifier_resources": {},
+                          "draft_resources": {}, "output_resources": {}, "engine_resources": {}},
         },
     }
     assert serve["http_options"]["port"] == HTTP_PORT
-
-    for name, template in pod_specs(rs).items():
-        env = env_of(ray_container(template))
-        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == (
-            "http://otel-collector.observability:4318"
-        ), name
 
 
 def test_defaults_suit_a_gpu_cluster():
@@ -234,8 +233,8 @@ def test_defaults_suit_a_gpu_cluster():
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert head["rayStartParams"]["num-gpus"] == "0"
     assert "nvidia.com/gpu" not in ray_container(head["template"])["resources"].get("limits", {})
-    # Without an endpoint no exporter is configured.
-    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env_of(ray_container(group["template"]))
+    # Without an endpoint tracing is off, whatever the config file says.
+    assert app["args"]["overrides"]["tracing"] == {"exporter": "none"}
 
 
 def test_api_key_comes_from_a_secret_on_every_ray_container():

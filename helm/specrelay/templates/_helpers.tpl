@@ -63,10 +63,6 @@ else a fresh random one. Args: (list $ secretName key given).
 
 {{/* Env shared by every Ray container: tracing, API key, Ray token auth, extras. */}}
 {{- define "specrelay.env" -}}
-{{- if .Values.otel.endpoint }}
-- name: OTEL_EXPORTER_OTLP_ENDPOINT
-  value: {{ .Values.otel.endpoint | quote }}
-{{- end }}
 - name: OTEL_SERVICE_NAME
   value: {{ .Values.otel.serviceName | quote }}
 - name: SPECRELAY_API_KEY
@@ -137,7 +133,20 @@ volumes:
   "tensor_parallel_size" $s.tensorParallelSize -}}
 {{- if eq $s.draft.kind "model" }}
 {{- $_ := set $overrides "draft_model" $s.draft.model }}
-{{- end -}}
+{{- end }}
+{{- /* The config's tracing section: the chart's otel values decide (config beats OTEL_* env). */}}
+{{- if .Values.otel.endpoint }}
+{{- $_ := set $overrides "tracing" (dict "exporter" "otlp" "otlp_protocol" .Values.otel.protocol "otlp_endpoint" .Values.otel.endpoint) }}
+{{- else }}
+{{- $_ := set $overrides "tracing" (dict "exporter" "none") }}
+{{- end }}
+{{- $p := $s.placement }}
+{{- $_ := set $overrides "placement" (dict
+  "verifier_strategy" $p.verifierStrategy
+  "verifier_resources" ($p.verifierResources | default dict)
+  "draft_resources" ($p.draftResources | default dict)
+  "output_resources" ($p.outputResources | default dict)
+  "engine_resources" ($p.engineResources | default dict)) -}}
 http_options:
   host: 0.0.0.0
   port: {{ .Values.service.port }}
@@ -176,6 +185,9 @@ applications:
 {{- fail (printf "worker.maxReplicas (%d) must be at least worker.replicas (%d)" $max (int $w.replicas)) }}
 {{- end }}
 {{- $gpus := mul (int $w.gpus) (int $w.replicas) }}
+{{- if and (eq .Values.specrelay.placement.verifierStrategy "STRICT_PACK") (gt (int $w.gpus) 0) (gt (int .Values.specrelay.tensorParallelSize) (int $w.gpus)) }}
+{{- fail (printf "specrelay.placement.verifierStrategy STRICT_PACK puts all %d ranks on one node; a worker has %d GPUs (use PACK or raise worker.gpus)" (int .Values.specrelay.tensorParallelSize) (int $w.gpus)) }}
+{{- end }}
 {{- if and (gt (int $w.gpus) 0) (gt (int .Values.specrelay.tensorParallelSize) (int $gpus)) }}
 {{- fail (printf "specrelay.tensorParallelSize (%d) needs one GPU per rank; the worker group has %d (worker.gpus x worker.replicas)" (int .Values.specrelay.tensorParallelSize) (int $gpus)) }}
 {{- end }}
