@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import ray
 
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
@@ -39,8 +41,13 @@ class StageActors:
     def all(self) -> list[Any]:
         return [self.draft, *self.verifiers, self.output]
 
+    async def flush_telemetry(self, timeout_s: float = 5.0) -> None:
+        """Let the tracing stage (the output actor) export its spans before it is killed; one
+        that is gone or wedged is given up on after `timeout_s`."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.output.flush_telemetry.remote(timeout_s), timeout_s + 1)
+
     def kill(self) -> None:
-        import ray
         from ray.util.placement_group import remove_placement_group
 
         for actor in self.all:
@@ -50,8 +57,11 @@ class StageActors:
             remove_placement_group(self.placement_group)
 
 
-async def create_stage_actors(config: EngineConfig) -> StageActors:
-    """Start the draft, verifier ranks (one placement-group bundle each) and output actors."""
+async def create_stage_actors(config: EngineConfig,
+                              report: Callable[[str], None] = lambda _: None) -> StageActors:
+    """Start the draft, verifier ranks (one placement-group bundle each) and output actors,
+    placed as `config.placement` says. `report` hears what it is waiting for (a placement group
+    or an actor waits until the cluster has the resources, e.g. until a lost node is back)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -61,9 +71,10 @@ async def create_stage_actors(config: EngineConfig) -> StageActors:
     from actors.verifier import TargetVerifier
 
     gpu = config.device.startswith("cuda")
-    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(config.tensor_parallel_size)],
-                         strategy="PACK")
+    place = config.placement_spec
+    bundles = place.verifier_bundles(config.tensor_parallel_size, gpu)
+    pg = placement_group(bundles, strategy=place.verifier_strategy)
+    report(f"waiting for the verifier placement group ({place.verifier_strategy} {bundles})")
     await pg.ready()
     verifiers = [
         ray.remote(TargetVerifier).options(
@@ -74,8 +85,11 @@ async def create_stage_actors(config: EngineConfig) -> StageActors:
     ]
     draft = ray.remote(DraftWorker).options(
         num_cpus=0, num_gpus=1 if gpu and config.draft == "model" else 0, max_restarts=0,
-    ).remote(config)
-    output = ray.remote(OutputActor).options(num_cpus=0, max_restarts=0).remote(config)
+        resources=place.draft_resources).remote(config)
+    output = ray.remote(OutputActor).options(
+        num_cpus=0, max_restarts=0, resources=place.output_resources).remote(config)
+    report(f"waiting for the stage actors (draft {place.draft_resources}, "
+           f"output {place.output_resources}) to start and load")
     init = None
     if config.tensor_parallel_size > 1:
         init = await verifiers[0].rendezvous_address.remote()
@@ -147,6 +161,8 @@ class Engine:
         self.restarts = 0
         self.tracer: Any = None
         self._rebuilding: asyncio.Task | None = None
+        self.build_phase = ""  # what a (re)build waits for, shown in health() while rebuilding
+        self._loop: asyncio.AbstractEventLoop | None = None  # the step loop's (default group)
 
     async def start(self) -> dict[str, Any]:
         from pipeline.gc_tuning import tune_gc
@@ -154,16 +170,20 @@ class Engine:
 
         setup_tracing("specrelay-engine", self.config.tracing)  # config, else OTEL_* environment
         self.tracer = get_tracer()
+        self._loop = asyncio.get_running_loop()
         await self._build()
         tune_gc(self.config.gc_gen0_threshold)
         return await self.model_info()
 
     async def _build(self) -> None:
-        self.actors = await create_stage_actors(self.config)
+        self.actors = await create_stage_actors(self.config, self._set_build_phase)
         self.stages = RayStages(self.actors)
         core = EngineCore(self.config, self.stages, self.actors.info["vocab_size"], self.tracer)
         self.core = core
         core.start().add_done_callback(lambda _t: self._on_loop_end(core))
+
+    def _set_build_phase(self, phase: str) -> None:
+        self.build_phase = phase
 
     def _on_loop_end(self, core: EngineCore) -> None:
         # Also after core.fail() (a failed health ping or registration) cancelled the loop.
@@ -174,6 +194,7 @@ class Engine:
         """Replace every stage actor (KV caches are gone anyway) after a failure."""
         try:
             if self.actors is not None:
+                await self.actors.flush_telemetry()  # the replaced output actor's spans
                 self.actors.kill()
             await self._build()
             self.restarts += 1
@@ -183,7 +204,10 @@ class Engine:
             self._rebuilding = None
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       traceparent: str | None = None) -> AsyncIterator[RequestOutput]:
+                       traceparent: str | None = None,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
+        """`group`: the client request this one belongs to (the choices of one HTTP request
+        share it), for fair admission; None: a group of its own."""
         core = self._core()
         # The engine's part of the request's trace (a sibling of the output actor's spec.request).
         span = self.tracer.start_span("spec.engine.request", context=context_from_traceparent(
@@ -192,7 +216,8 @@ class Engine:
         stream = None
         try:
             try:
-                stream = await core.add_request(rid, list(prompt_ids), params, traceparent)
+                stream = await core.add_request(rid, list(prompt_ids), params, traceparent,
+                                                group)
             except (ValueError, EngineOverloadedError, EngineDeadError):
                 raise  # refused (a refusal from the output actor arrives as a ValueError too)
             except Exception as e:  # noqa: BLE001 - the output actor is gone: fail and rebuild
@@ -218,24 +243,38 @@ class Engine:
         stats["restarts"] = self.restarts
         return stats
 
+    @ray.method(concurrency_group="control")
     async def health(self) -> dict[str, Any]:
+        """From the engine's progress state, in its own concurrency group (own thread and event
+        loop): never queued behind generate calls, so it answers while steps complete."""
         if self.core is None:
             return {"healthy": False, "reason": "engine not started"}
         if self._rebuilding is not None:
-            return {"healthy": False, "reason": f"rebuilding after: {self.core.dead_reason}"}
+            return {"healthy": False, "reason": f"rebuilding after: {self.core.dead_reason}; "
+                                                f"{self.build_phase}"}
         core = self.core
         state = core.health()
         if state["healthy"] and not core.scheduler.has_work:
-            # Idle: nothing would notice a dead or wedged actor, so ask them; one that does not
-            # answer within the step timeout fails the engine, which rebuilds its stages.
-            try:
-                await asyncio.wait_for(self.stages.ping(), self.config.step_timeout_s)
-            except Exception as e:  # noqa: BLE001 - any failure means a stage is gone
-                reason = f"stage actor unavailable: {type(e).__name__}: {e}"
-                if core is self.core:
-                    core.fail(EngineDeadError(reason))
-                return {"healthy": False, "reason": reason}
+            return await self._on_step_loop(self._ping_idle(core, state))
         return state
+
+    async def _ping_idle(self, core: EngineCore, state: dict[str, Any]) -> dict[str, Any]:
+        # Idle: nothing would notice a dead or wedged actor, so ask them; one that does not
+        # answer within the stall floor fails the engine, which rebuilds its stages.
+        try:
+            await asyncio.wait_for(self.stages.ping(), self.config.step_timeout_floor_s)
+        except Exception as e:  # noqa: BLE001 - any failure means a stage is gone
+            reason = f"stage actor unavailable: {type(e).__name__}: {e}"
+            if core is self.core:
+                core.fail(EngineDeadError(reason))
+            return {"healthy": False, "reason": reason}
+        return state
+
+    async def _on_step_loop(self, coro: Any) -> Any:
+        """Run `coro` on the step loop's event loop (the core is not thread-safe)."""
+        if self._loop is None or self._loop is asyncio.get_running_loop():
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     async def model_info(self) -> dict[str, Any]:
         info = self.actors.info if self.actors is not None else {}
@@ -256,10 +295,15 @@ class Engine:
         return {"draft": a.draft, "verifiers": list(a.verifiers), "output": a.output}
 
     async def shutdown(self) -> None:
+        """Stop stepping, let every actor export its spans, kill the stage actors."""
+        from pipeline.tracing.otel import flush_tracing
+
         if self.core is not None:
             await self.core.stop()
         if self.actors is not None:
+            await self.actors.flush_telemetry()
             self.actors.kill()
+        await asyncio.to_thread(flush_tracing)
 
     def _core(self) -> EngineCore:
         if self.core is None:
@@ -269,16 +313,38 @@ class Engine:
         return self.core
 
 
-def start_engine(config: EngineConfig, name: str | None = None) -> Any:
-    """Create the Engine actor and its stage actors (inside a running Ray); returns the handle
-    once the models are loaded."""
-    import ray
+def engine_needs(config: EngineConfig) -> str:
+    """The cluster resources an engine waits for, in words (for start-up messages)."""
+    gpu = config.device.startswith("cuda")
+    place = config.placement_spec
+    bundles = place.verifier_bundles(config.tensor_parallel_size, gpu)
+    draft_gpu = 1 if gpu and config.draft == "model" else 0
+    return (f"a {place.verifier_strategy} placement group of {len(bundles)} bundle(s) {bundles} "
+            f"for the verifier ranks, a draft actor (GPU: {draft_gpu}, "
+            f"{place.draft_resources or 'no custom resources'}), an output actor "
+            f"({place.output_resources or 'no custom resources'}) and the engine actor "
+            f"({place.engine_resources or 'no custom resources'})")
 
-    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000, "max_restarts": 0}
+
+def start_engine(config: EngineConfig, name: str | None = None,
+                 timeout_s: float | None = None) -> Any:
+    """Create the Engine actor and its stage actors (inside a running Ray); returns the handle
+    once the models are loaded. TimeoutError (saying what the engine needs and what the cluster
+    has free) when that takes longer than `timeout_s`; the half-started engine is killed."""
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000, "max_restarts": 0,
+                               "resources": config.placement_spec.engine_resources}
     if name is not None:
         options["name"] = name
-    handle = ray.remote(Engine).options(**options).remote(config)
-    ray.get(handle.start.remote())
+    # health() has its own group: 1000 generate calls must not queue it (docs/reliability.md).
+    engine = ray.remote(concurrency_groups={"control": 16})(Engine)
+    handle = engine.options(**options).remote(config)
+    try:
+        ray.get(handle.start.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(handle, no_restart=True)  # its stage actors and placement group go with it
+        raise TimeoutError(
+            f"the engine did not start within {timeout_s:.0f}s: it needs {engine_needs(config)}; "
+            f"the cluster has {ray.available_resources()} available") from None
     return handle
 
 
