@@ -10,7 +10,10 @@ string is a prompt. Output: one object per input line, in input order: id, text,
 matched_stop, token counts, spec_stats (or `error` for a line that could not run).
 
 Joins the running Ray cluster (RAY_ADDRESS as set by `ray job submit`, or --address, or
-"auto"); starts a local one when there is none.
+"auto"); starts a local one when there is none; says which it joined (address, resources).
+When the engine cannot be placed within --start-timeout seconds it says what it needs and what
+the cluster has free, and exits 3. On SIGTERM (or Ctrl-C) it stops at once, writes the finished
+lines (the others as `error: "interrupted"`), exports its spans and exits 143 (130).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,11 +32,14 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.errors import EngineOverloadedError
-from pipeline.frontend import openai_api as proto
-from pipeline.frontend.app import TokenizerAdapter
+from pipeline.frontend import requests as reqs
+from pipeline.frontend.errors import APIError, bad_request
+from pipeline.frontend.responses import ChoiceState
+from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.params import SamplingParams
 
 DEFAULT_CONFIG = "configs/smollm2-cpu.yaml"
+INTERRUPTED = "interrupted"  # the error of a line the job stopped before finishing
 
 
 @dataclass
@@ -51,6 +58,7 @@ class Progress:
     errors: int = 0
     tokens: int = 0
     start: float = field(default_factory=time.monotonic)
+    interrupted: bool = False
 
     def line(self) -> str:
         dt = max(time.monotonic() - self.start, 1e-9)
@@ -76,19 +84,19 @@ def parse_line(index: int, line: str, tokenizer: TokenizerAdapter, max_model_len
     data.pop("n", None)
     try:
         if "messages" in data:
-            req = proto.parse_chat_request(data)
-            ids = tokenizer.chat_prompt(proto.chat_messages_as_dicts(req),
+            req = reqs.parse_chat_request(data)
+            ids = tokenizer.chat_prompt(reqs.chat_messages_as_dicts(req),
                                         req.add_generation_prompt)
         else:
-            req = proto.parse_completion_request(data)
-            prompts = proto.completion_prompts(req)
+            req = reqs.parse_completion_request(data)
+            prompts = reqs.completion_prompts(req)
             if len(prompts) != 1:
-                raise proto.bad_request("prompt: one prompt per line", param="prompt")
+                raise bad_request("prompt: one prompt per line", param="prompt")
             one = prompts[0]
             ids = list(tokenizer.encode(one)) if isinstance(one, str) else list(one)
-            proto.check_prompt_ids(ids, vocab_size, "prompt")
-        params = proto.to_sampling_params(req, len(ids), max_model_len)
-    except proto.APIError as e:
+            reqs.check_prompt_ids(ids, vocab_size, "prompt")
+        params = reqs.to_sampling_params(req, len(ids), max_model_len)
+    except APIError as e:
         return Item(index, item_id, error=e.message)
     return Item(index, item_id, ids, params)
 
@@ -96,7 +104,7 @@ def parse_line(index: int, line: str, tokenizer: TokenizerAdapter, max_model_len
 async def run_one(engine: Any, item: Item, rid: str) -> dict[str, Any]:
     """Generate one item, retrying while the engine's queue is full."""
     assert item.prompt_ids is not None and item.params is not None
-    choice = proto.ChoiceState(index=0)
+    choice = ChoiceState(index=0)
     delay = 0.05
     while True:
         try:
@@ -141,11 +149,21 @@ async def generate_all(engine: Any, items: list[Item], concurrency: int,
             print(progress.line(), flush=True)
 
     reporter = asyncio.create_task(report())
+    work = asyncio.gather(*(one(it) for it in items))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stop now; the finished lines are kept
+        loop.add_signal_handler(sig, work.cancel)
     try:
-        await asyncio.gather(*(one(it) for it in items))
+        await work
+    except asyncio.CancelledError:
+        print(f"interrupted: {progress.done}/{progress.total} prompts finished", flush=True)
+        progress.interrupted = True
     finally:
         reporter.cancel()
-    return progress, [results[i] for i in range(len(items))]
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return progress, [results.get(i) or {"id": items[i].id, "index": i, "error": INTERRUPTED}
+                      for i in range(len(items))]
 
 
 def write_results(path: str, rows: list[dict[str, Any]]) -> None:
@@ -156,16 +174,22 @@ def write_results(path: str, rows: list[dict[str, Any]]) -> None:
 
 
 def connect_ray(address: str | None) -> None:
+    """Join `address`, RAY_ADDRESS or a running local cluster, else start one; say which."""
     import ray
 
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address or os.environ["RAY_ADDRESS"])
-        return
-    try:
-        ray.init(address="auto")
-    except ConnectionError:
-        print("no running Ray cluster found: starting a local one", flush=True)
-        ray.init()
+        how = "joined the Ray cluster"
+    else:
+        try:
+            ray.init(address="auto")
+            how = "joined the running local Ray cluster"
+        except ConnectionError:
+            ray.init()
+            how = "no running Ray cluster found: started a local one"
+    print(f"{how} at {ray.get_runtime_context().gcs_address}: "
+          f"{len(ray.nodes())} node(s), resources {ray.cluster_resources()}, "
+          f"available {ray.available_resources()}", flush=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -179,12 +203,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests in flight (default: the engine's slots + waiting room)")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS/auto)")
     p.add_argument("--progress-every", type=float, default=5.0, help="seconds between lines")
+    p.add_argument("--start-timeout", type=float, default=300.0,
+                   help="seconds the engine may take to be placed and loaded (then exit 3)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from actors.engine import start_engine, stop_engine
+    from actors.engine import engine_needs, start_engine, stop_engine
     from actors.engine_client import EngineClient
     from pipeline.config import load_config
     from pipeline.models.runners import load_engine_tokenizer
@@ -199,7 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         lines = [line for line in f if line.strip()]
     connect_ray(args.address)
     t0 = time.monotonic()
-    handle = start_engine(config)
+    print(f"starting the engine: it needs {engine_needs(config)}", flush=True)
+    # Ctrl-C or SIGTERM while the engine starts: exit through the finally blocks.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        handle = start_engine(config, timeout_s=args.start_timeout)
+    except TimeoutError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
     print(f"engine {config.served_name} ready in {time.monotonic() - t0:.1f}s; "
           f"{len(lines)} prompts", flush=True)
     try:
@@ -209,12 +242,19 @@ def main(argv: list[str] | None = None) -> int:
         concurrency = args.concurrency or config.num_slots + config.max_waiting
         progress, rows = asyncio.run(generate_all(EngineClient(handle), items, concurrency,
                                                   args.progress_every))
+        signal.signal(signal.SIGTERM, _exit_on_signal)  # asyncio reset it; stop_engine flushes
     finally:
-        stop_engine(handle)
+        stop_engine(handle)  # also exports the engine's and the output actor's spans
     write_results(args.output, rows)
     print(progress.line(), flush=True)
     print(f"wrote {args.output}", flush=True)
+    if progress.interrupted:
+        return 143
     return 0  # per-line errors are in the results file and the counts above
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 async def _model_info(handle: Any) -> dict[str, Any]:

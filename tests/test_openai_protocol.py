@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.frontend import openai_api as proto
+from pipeline.frontend import requests as reqs
+from pipeline.frontend import responses as resp
+from pipeline.frontend.errors import APIError
 from pipeline.output.request_output import RequestOutput
 
 
 def completion(**kw):
-    return proto.parse_completion_request({"prompt": "hi", **kw})
+    return reqs.parse_completion_request({"prompt": "hi", **kw})
 
 
 def chat(**kw):
-    return proto.parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **kw})
+    return reqs.parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **kw})
 
 
-def error_of(fn, *args, **kw) -> proto.APIError:
-    with pytest.raises(proto.APIError) as info:
+def error_of(fn, *args, **kw) -> APIError:
+    with pytest.raises(APIError) as info:
         fn(*args, **kw)
     return info.value
 
@@ -26,23 +28,23 @@ def test_completion_request_maps_openai_names_to_sampling_params():
     req = completion(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=11, stop="##",
                      stop_token_ids=[5], ignore_eos=True, min_tokens=2, logprobs=3,
                      include_stop_str_in_output=True)
-    p = proto.to_sampling_params(req, prompt_len=10, max_model_len=100)
+    p = reqs.to_sampling_params(req, prompt_len=10, max_model_len=100)
     assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.5, 0.9, 40, 11)
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.min_new_tokens) == (["##"], [5], True, 2)
     assert (p.logprobs, p.include_stop_str_in_output) == (3, True)
 
 
 def test_chat_logprobs_bool_and_top_logprobs_become_top_n():
-    assert proto.to_sampling_params(chat(logprobs=True, top_logprobs=4), 5, 100).logprobs == 4
-    assert proto.to_sampling_params(chat(logprobs=True), 5, 100).logprobs == 0
-    assert proto.to_sampling_params(chat(), 5, 100).logprobs is None
+    assert reqs.to_sampling_params(chat(logprobs=True, top_logprobs=4), 5, 100).logprobs == 4
+    assert reqs.to_sampling_params(chat(logprobs=True), 5, 100).logprobs == 0
+    assert reqs.to_sampling_params(chat(), 5, 100).logprobs is None
 
 
 def test_chat_max_completion_tokens_wins_and_default_fills_the_context():
-    assert proto.to_sampling_params(chat(max_completion_tokens=3, max_tokens=9), 5, 100) \
+    assert reqs.to_sampling_params(chat(max_completion_tokens=3, max_tokens=9), 5, 100) \
         .max_new_tokens == 3
-    assert proto.to_sampling_params(chat(), 30, 100).max_new_tokens == 70
-    assert proto.to_sampling_params(completion(), 30, 100).max_new_tokens == 16
+    assert reqs.to_sampling_params(chat(), 30, 100).max_new_tokens == 70
+    assert reqs.to_sampling_params(completion(), 30, 100).max_new_tokens == 16
 
 
 @pytest.mark.parametrize("field,value,param", [
@@ -74,7 +76,7 @@ def test_chat_max_completion_tokens_wins_and_default_fills_the_context():
 def test_bad_completion_fields_name_the_parameter(field, value, param):
     def parse():
         req = completion(**{field: value})
-        proto.completion_prompts(req)
+        reqs.completion_prompts(req)
     err = error_of(parse)
     assert err.status_code == 400
     assert err.param is not None and err.param.startswith(param)
@@ -98,15 +100,15 @@ def test_bad_completion_fields_name_the_parameter(field, value, param):
     ({"max_tokens": 95}, "max_tokens"),  # 10 prompt + 95 > 100
 ])
 def test_out_of_range_values_are_400_naming_the_parameter(kw, param):
-    err = error_of(lambda: proto.to_sampling_params(completion(**kw), 10, 100))
+    err = error_of(lambda: reqs.to_sampling_params(completion(**kw), 10, 100))
     assert (err.status_code, err.param) == (400, param)
     assert param in err.message
 
 
 def test_prompt_longer_than_the_context_is_context_length_exceeded():
-    err = error_of(proto.to_sampling_params, completion(), 100, 100)
+    err = error_of(reqs.to_sampling_params, completion(), 100, 100)
     assert (err.status_code, err.param, err.code) == (400, "prompt", "context_length_exceeded")
-    err = error_of(proto.to_sampling_params, chat(), 120, 100)
+    err = error_of(reqs.to_sampling_params, chat(), 120, 100)
     assert (err.param, err.code) == ("messages", "context_length_exceeded")
 
 
@@ -123,75 +125,76 @@ def test_prompt_longer_than_the_context_is_context_length_exceeded():
 ])
 def test_bad_chat_fields_name_the_parameter(kw, param):
     data = {"messages": [{"role": "user", "content": "hi"}], **kw}
-    err = error_of(proto.parse_chat_request, data)
+    err = error_of(reqs.parse_chat_request, data)
     assert (err.status_code, err.param) == (400, param)
 
 
 def test_chat_content_parts_and_developer_role_render_as_plain_messages():
-    req = proto.parse_chat_request({"messages": [
+    req = reqs.parse_chat_request({"messages": [
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ]})
-    assert proto.chat_messages_as_dicts(req) == [
+    assert reqs.chat_messages_as_dicts(req) == [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
 
 
 def test_parse_json_body_rejects_non_objects_and_deep_nesting():
-    assert proto.parse_json_body(b'{"a": 1}') == {"a": 1}
-    assert error_of(proto.parse_json_body, b"[1]").status_code == 400
-    assert error_of(proto.parse_json_body, b"{nope").status_code == 400
-    assert error_of(proto.parse_json_body, b'{"a":' + b"[" * 100 + b"]" * 100 + b"}") \
+    assert reqs.parse_json_body(b'{"a": 1}') == {"a": 1}
+    assert error_of(reqs.parse_json_body, b"[1]").status_code == 400
+    assert error_of(reqs.parse_json_body, b"{nope").status_code == 400
+    assert error_of(reqs.parse_json_body, b'{"a":' + b"[" * 100 + b"]" * 100 + b"}") \
         .message == "request body is nested too deeply"
 
 
 def test_batched_prompts_and_token_id_prompts():
-    assert proto.completion_prompts(completion(prompt=["a", "b"])) == ["a", "b"]
-    assert proto.completion_prompts(completion(prompt=[1, 2])) == [[1, 2]]
-    assert proto.completion_prompts(completion(prompt=[[1], [2, 3]])) == [[1], [2, 3]]
-    err = error_of(proto.check_prompt_ids, [1, 300], 256, "prompt")
+    assert reqs.completion_prompts(completion(prompt=["a", "b"])) == ["a", "b"]
+    assert reqs.completion_prompts(completion(prompt=[1, 2])) == [[1, 2]]
+    assert reqs.completion_prompts(completion(prompt=[[1], [2, 3]])) == [[1], [2, 3]]
+    err = error_of(reqs.check_prompt_ids, [1, 300], 256, "prompt")
     assert err.param == "prompt" and "300" in err.message
 
 
 def test_seeds_are_derived_per_choice():
-    seeds = [proto.derive_seed(7, i) for i in range(4)]
+    seeds = [reqs.choice_seed(7, i) for i in range(4)]
     assert seeds[0] == 7 and len(set(seeds)) == 4
     assert all(0 <= s < 2**63 for s in seeds)
-    assert proto.derive_seed(None, 3) is None
+    assert reqs.choice_seed(None, 3) is None
 
 
 def test_stop_reason_follows_vllm():
     eos = frozenset({2})
-    assert proto.stop_reason("##", "stop", eos, []) == "##"
-    assert proto.stop_reason(9, "stop", eos, [9]) == 9
-    assert proto.stop_reason(2, "stop", eos, []) is None  # EOS is not a stop reason
-    assert proto.stop_reason(2, "stop", eos, [2]) == 2  # unless asked for explicitly
-    assert proto.stop_reason(None, "length", eos, []) is None
+    assert resp.stop_reason("##", "stop", eos, []) == "##"
+    assert resp.stop_reason(9, "stop", eos, [9]) == 9
+    assert resp.stop_reason(2, "stop", eos, []) is None  # EOS is not a stop reason
+    assert resp.stop_reason(2, "stop", eos, [2]) == 2  # unless asked for explicitly
+    assert resp.stop_reason(None, "length", eos, []) is None
 
 
 def test_choice_state_accumulates_deltas_and_keeps_cumulative_spec_stats():
-    c = proto.ChoiceState(index=0)
+    c = resp.ChoiceState(index=0)
     c.add(RequestOutput("r", [1, 2], "ab", [-0.1, -0.2], None, spec_verify_ct=1,
                         spec_accepted_tokens=1, spec_acceptance_histogram=[0, 1]))
     c.add(RequestOutput("r", [3], "c", [-0.3], None, finished=True, finish_reason="stop",
                         matched_stop="x", spec_verify_ct=2, spec_accepted_tokens=1,
-                        spec_acceptance_histogram=[1, 1]))
+                        spec_acceptance_histogram=[1, 1], spec_draft_tokens=3))
     assert (c.text, c.token_ids, c.logprobs) == ("abc", [1, 2, 3], [-0.1, -0.2, -0.3])
     assert (c.finish_reason, c.matched_stop) == ("stop", "x")
-    assert c.spec_stats() == {"verify_ct": 2, "accepted_tokens": 1, "acceptance_histogram": [1, 1]}
+    assert c.spec_stats() == {"verify_ct": 2, "accepted_tokens": 1, "acceptance_histogram": [1, 1],
+                              "draft_tokens": 3}
 
 
 def test_logprob_tables():
     tok = {5: "a", 6: "bb", 7: "é"}.__getitem__
-    legacy = proto.completion_logprobs([5, 6], [-0.5, float("-inf")], [[(5, -0.5), (6, -1.0)], []],
+    legacy = resp.completion_logprobs([5, 6], [-0.5, float("-inf")], [[(5, -0.5), (6, -1.0)], []],
                                        tok, offset=3)
     assert legacy == {"tokens": ["a", "bb"], "token_logprobs": [-0.5, -9999.0],
                       "top_logprobs": [{"a": -0.5, "bb": -1.0}, None], "text_offset": [3, 4]}
-    chat_lp = proto.chat_logprobs([7], [-0.25], [[(7, -0.25)]], tok)
+    chat_lp = resp.chat_logprobs([7], [-0.25], [[(7, -0.25)]], tok)
     assert chat_lp == {"content": [{"token": "é", "logprob": -0.25, "bytes": [195, 169],
                                     "top_logprobs": [{"token": "é", "logprob": -0.25,
                                                       "bytes": [195, 169]}]}]}
 
 
 def test_sse_framing():
-    assert proto.sse({"a": "é"}) == 'data: {"a": "é"}\n\n'
-    assert proto.SSE_DONE == "data: [DONE]\n\n"
+    assert resp.sse({"a": "é"}) == 'data: {"a": "é"}\n\n'
+    assert resp.SSE_DONE == "data: [DONE]\n\n"

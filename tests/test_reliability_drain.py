@@ -33,7 +33,7 @@ def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish():
             stream = asyncio.ensure_future(c.post("/v1/completions", json={**body,
                                                                             "stream": True}))
             plain = asyncio.ensure_future(c.post("/v1/completions", json=body))
-            while server.inflight[0] < 2:
+            while server.inflight.value < 2:
                 assert not (stream.done() or plain.done())
                 await asyncio.sleep(0.01)
             drained = asyncio.ensure_future(server.drain(30))
@@ -44,7 +44,7 @@ def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish():
             return await stream, await plain, refused, health, left
 
     stream, plain, refused, health, left = asyncio.run(main())
-    assert left == 0 and server.inflight[0] == 0
+    assert left == 0 and server.inflight.value == 0
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "server_shutting_down"
     assert health.status_code == 503 and health.json()["reason"] == "draining"
@@ -63,7 +63,7 @@ def test_drain_gives_up_after_its_timeout_and_reports_what_is_left():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as c:
             hung = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "x"}))
-            while server.inflight[0] < 1:
+            while server.inflight.value < 1:
                 await asyncio.sleep(0.01)
             left = await server.drain(0.3)
             hung.cancel()

@@ -24,8 +24,9 @@ from schemathesis.generation import GenerationMode
 from server_fakes import ByteTok, FakeEngine
 
 from pipeline import protocol
-from pipeline.frontend import openai_api as proto
+from pipeline.frontend import responses as resp
 from pipeline.frontend.app import ROUTES, ServerSettings, create_app
+from pipeline.frontend.openapi import openapi_schema
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -189,8 +190,8 @@ def test_every_route_but_health_needs_the_key():
 
 def test_key_compare_is_constant_time():
     """The guard compares with hmac.compare_digest and never with == on the key."""
-    tree = ast.parse((ROOT / "pipeline" / "frontend" / "app.py").read_text())
-    guard = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "_Guard")
+    tree = ast.parse((ROOT / "pipeline" / "frontend" / "guard.py").read_text())
+    guard = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Guard")
     src = ast.unparse(guard)
     assert "hmac.compare_digest(given, self.key)" in src
     for node in ast.walk(guard):
@@ -342,7 +343,7 @@ def test_openapi_document_is_served_behind_the_key_and_loads():
 
 
 FUZZ_EXAMPLES = 80  # per route and mode: ~10 s in all
-FUZZ_SCHEMA = schemathesis.openapi.from_dict(proto.openapi_schema())
+FUZZ_SCHEMA = schemathesis.openapi.from_dict(openapi_schema())
 FUZZ_APP = app_for(FakeEngine(num_slots=64, max_waiting=10_000), max_body_bytes=1 << 20)
 
 
@@ -410,9 +411,9 @@ def body_mode(case) -> GenerationMode | None:
 
 def test_non_finite_logprobs_render_as_finite_numbers():
     # Responses are JSON with allow_nan=False: -inf/NaN logprobs (masked tokens) become -9999.0.
-    lp = proto.completion_logprobs([1], [float("-inf")], [[(1, float("nan"))]], str)
+    lp = resp.completion_logprobs([1], [float("-inf")], [[(1, float("nan"))]], str)
     assert lp["token_logprobs"] == [-9999.0] and lp["top_logprobs"] == [{"1": -9999.0}]
-    chat = proto.chat_logprobs([1], [float("nan")], [[(2, float("-inf"))]], str)
+    chat = resp.chat_logprobs([1], [float("nan")], [[(2, float("-inf"))]], str)
     assert chat["content"][0]["logprob"] == -9999.0
     assert chat["content"][0]["top_logprobs"][0]["logprob"] == -9999.0
     json.dumps([lp, chat], allow_nan=False)

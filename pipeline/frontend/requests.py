@@ -1,93 +1,24 @@
-"""OpenAI-compatible request validation, responses and SSE chunks (pure: no Ray, no app state).
+"""OpenAI request bodies: parsing, validation and the `SamplingParams` of each choice.
 
 Requests are parsed with Python's `json` (it keeps lone surrogates and NaN so we can name the
 offending parameter instead of failing as "invalid JSON"), validated by strict pydantic models,
-then turned into `SamplingParams`. Every failure is an `APIError` that renders as an OpenAI error
-body `{"error": {"message", "type", "param", "code"}}`.
+then turned into `SamplingParams`. Every failure is an `APIError` (400) naming the parameter.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.output.request_output import RequestOutput
+from pipeline.frontend.errors import bad_request, from_params_error, from_validation_error
 from pipeline.params import MAX_LOGPROBS, MAX_NEW_TOKENS_LIMIT, MAX_SEED, SamplingParams
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts per batched completions request
 MAX_JSON_DEPTH = 32
-TokenStr = Callable[[int], str]  # token id -> its text, for logprob tables
-
-
-# ----------------------------------------------------------------------------- errors
-
-
-@dataclass
-class APIError(Exception):
-    """An error with its HTTP status and OpenAI error body fields."""
-
-    status_code: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-    type: str = "invalid_request_error"
-
-    def __str__(self) -> str:
-        return self.message
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "function-after"}
-
-
-def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    # ("messages", 0, "role") -> "messages[0].role"; union tags such as "list[int]" are dropped
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif isinstance(part, str) and part not in _UNION_TAGS and not re.search(r"[\[\]-]", part):
-            out += ("." if out else "") + part
-    return out or None
-
-
-def from_validation_error(err: ValidationError) -> APIError:
-    first = err.errors(include_url=False)[0]
-    param = _loc_to_param(tuple(first.get("loc", ())))
-    return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param)
-
-
-# Our SamplingParams field names -> the OpenAI parameter the user actually sent.
-_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-
-
-def from_params_error(err: ValueError, renames: dict[str, str] | None = None) -> APIError:
-    msg = str(err)
-    field_name = msg.split(":", 1)[0].strip() if ":" in msg else None
-    names = {**_PARAM_NAMES, **(renames or {})}
-    param = names.get(field_name, field_name) if field_name else None
-    if param and field_name and field_name != param:
-        msg = param + msg[len(field_name):]
-    return bad_request(msg, param=param)
-
-
-# ----------------------------------------------------------------------------- requests
 
 
 class _Strict(BaseModel):
@@ -304,50 +235,10 @@ def check_prompt_ids(ids: list[int], vocab_size: int, param: str) -> None:
                               param=param)
 
 
-def openapi_schema() -> dict[str, Any]:
-    """The served OpenAPI 3.1 document: request bodies from the pydantic models above, OpenAI
-    error bodies for every error status (what /openapi.json returns and schema fuzzers use)."""
-    components: dict[str, Any] = {}
-
-    def body_ref(model: type[BaseModel]) -> dict[str, Any]:
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(schema.pop("$defs", {}))
-        components[model.__name__] = schema
-        return {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-
-    error = {"description": "an OpenAI error body", "content": {"application/json": {
-        "schema": {"type": "object", "required": ["error"]}}}}
-    errors = {str(code): error for code in (400, 401, 404, 408, 413, 429, 431, 503)}
-    ok_json = {"description": "OK", "content": {"application/json": {"schema": {}}}}
-    ok_any = {"description": "OK (JSON, or an SSE stream when stream is true)"}
-
-    def post(model: type[BaseModel]) -> dict[str, Any]:
-        return {"post": {"requestBody": body_ref(model), "responses": {"200": ok_any, **errors}}}
-
-    def get(ok: dict[str, Any]) -> dict[str, Any]:
-        return {"get": {"responses": {"200": ok, **errors}}}
-
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "specrelay", "version": "1"},
-        "paths": {
-            "/v1/completions": post(CompletionRequest),
-            "/v1/chat/completions": post(ChatCompletionRequest),
-            "/v1/models": get(ok_json),
-            "/health": get(ok_json),
-            "/metrics": get({"description": "Prometheus text"}),
-        },
-        "components": {"schemas": components,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "security": [{"bearer": []}],
-    }
-
-
 # ----------------------------------------------------------------------------- sampling params
 
 
-def derive_seed(seed: int | None, index: int) -> int | None:
+def choice_seed(seed: int | None, index: int) -> int | None:
     """Choice `index`'s seed: choice 0 keeps the user's seed, later ones get distinct seeds."""
     if seed is None or index == 0:
         return seed
@@ -384,7 +275,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
         "stop_token_ids": req.stop_token_ids or [], "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
-        "min_new_tokens": req.min_tokens, "seed": derive_seed(req.seed, choice_index)}
+        "min_new_tokens": req.min_tokens, "seed": choice_seed(req.seed, choice_index)}
     if req.temperature is not None:
         if req.temperature > 2.0:
             raise bad_request(f"temperature: must be in [0, 2], got {req.temperature}",
@@ -401,167 +292,3 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise from_params_error(e, renames) from None
-
-
-# ----------------------------------------------------------------------------- choice state
-
-
-@dataclass
-class ChoiceState:
-    """One choice's output so far, accumulated from RequestOutput deltas."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    spec_verify_ct: int = 0
-    spec_accepted_tokens: int = 0
-    spec_acceptance_histogram: list[int] = field(default_factory=list)
-
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.text
-        self.token_ids += out.token_ids
-        if out.logprobs is not None:
-            self.logprobs += out.logprobs
-        if out.top_logprobs is not None:
-            self.top_logprobs += out.top_logprobs
-        self.spec_verify_ct = out.spec_verify_ct
-        self.spec_accepted_tokens = out.spec_accepted_tokens
-        self.spec_acceptance_histogram = list(out.spec_acceptance_histogram)
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.matched_stop = out.matched_stop
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def spec_stats(self) -> dict[str, Any]:
-        return {"verify_ct": self.spec_verify_ct, "accepted_tokens": self.spec_accepted_tokens,
-                "acceptance_histogram": self.spec_acceptance_histogram}
-
-
-def stop_reason(matched: int | str | None, finish_reason: str | None,
-                eos_token_ids: frozenset[int] | set[int], stop_token_ids: list[int]) -> Any:
-    """vLLM's `stop_reason`: the stop string or stop token id; None for EOS or length."""
-    if finish_reason != "stop" or matched is None:
-        return None
-    if isinstance(matched, int) and matched in eos_token_ids and matched not in stop_token_ids:
-        return None
-    return matched
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-# ----------------------------------------------------------------------------- logprobs
-
-
-def completion_logprobs(token_ids: list[int], logprobs: list[float],
-                        top: list[list[tuple[int, float]]], token_str: TokenStr,
-                        offset: int = 0) -> dict[str, Any]:
-    """The legacy completions `logprobs` object for these tokens; `offset` = text already sent."""
-    tokens = [token_str(t) for t in token_ids]
-    offsets = []
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
-    tops: list[dict[str, float] | None] = []
-    for i in range(len(token_ids)):
-        row = top[i] if i < len(top) else []
-        tops.append({token_str(t): _finite(lp) for t, lp in row} or None)
-    return {"tokens": tokens, "token_logprobs": [_finite(x) for x in logprobs],
-            "top_logprobs": tops, "text_offset": offsets}
-
-
-def chat_logprobs(token_ids: list[int], logprobs: list[float],
-                  top: list[list[tuple[int, float]]], token_str: TokenStr) -> dict[str, Any]:
-    """The chat `logprobs` object: `content` holds one entry per token."""
-    content = []
-    for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
-        row = top[i] if i < len(top) else []
-        s = token_str(t)
-        content.append({"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8")),
-                        "top_logprobs": [{"token": token_str(a), "logprob": _finite(b),
-                                          "bytes": list(token_str(a).encode("utf-8"))}
-                                         for a, b in row]})
-    return {"content": content}
-
-
-def _finite(x: float) -> float:
-    # JSON has no -inf; OpenAI clients expect a number (vLLM uses -9999.0 the same way).
-    return x if math.isfinite(x) else -9999.0
-
-
-# ----------------------------------------------------------------------------- responses
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def completion_response(rid: str, model: str, choices: list[ChoiceState], prompt_tokens: int,
-                        logprobs_for: Callable[[ChoiceState], dict | None],
-                        stop_reason_for: Callable[[ChoiceState], Any]) -> dict[str, Any]:
-    return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": c.index, "text": c.text, "logprobs": logprobs_for(c),
-                     "finish_reason": c.finish_reason, "stop_reason": stop_reason_for(c),
-                     "spec_stats": c.spec_stats()} for c in choices],
-        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
-    }
-
-
-def chat_response(rid: str, model: str, choices: list[ChoiceState], prompt_tokens: int,
-                  logprobs_for: Callable[[ChoiceState], dict | None],
-                  stop_reason_for: Callable[[ChoiceState], Any]) -> dict[str, Any]:
-    return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": logprobs_for(c), "finish_reason": c.finish_reason,
-                     "stop_reason": stop_reason_for(c), "spec_stats": c.spec_stats()}
-                    for c in choices],
-        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
-    }
-
-
-def completion_chunk(rid: str, model: str, created: int, index: int, text: str,
-                     logprobs: dict | None = None, finish_reason: str | None = None,
-                     stop_reason: Any = None, spec_stats: dict | None = None) -> dict[str, Any]:
-    return _chunk("text_completion", rid, model, created,
-                  {"index": index, "text": text}, logprobs, finish_reason, stop_reason, spec_stats)
-
-
-def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict[str, Any],
-               logprobs: dict | None = None, finish_reason: str | None = None,
-               stop_reason: Any = None, spec_stats: dict | None = None) -> dict[str, Any]:
-    return _chunk("chat.completion.chunk", rid, model, created,
-                  {"index": index, "delta": delta}, logprobs, finish_reason, stop_reason,
-                  spec_stats)
-
-
-def _chunk(obj: str, rid: str, model: str, created: int, choice: dict[str, Any],
-           logprobs: dict | None, finish_reason: str | None, stop_reason: Any,
-           spec_stats: dict | None) -> dict[str, Any]:
-    choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
-    if spec_stats is not None:
-        choice["spec_stats"] = spec_stats
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-
-
-def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,74 @@
+"""ASGI middleware in front of every route: header and body size limits, the API key, and the
+HTTP status metric."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+from pipeline.frontend.errors import APIError, bad_request, error_response
+from pipeline.frontend.metrics import ServerMetrics
+from pipeline.frontend.settings import ServerSettings
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+          "/openapi.json")
+UNAUTHENTICATED = ("/health",)  # probes (Kubernetes, load balancers) carry no key
+
+
+def too_large(settings: ServerSettings) -> APIError:
+    return APIError(413, f"request body is larger than {settings.max_body_bytes} bytes",
+                    code="request_too_large")
+
+
+class Guard:
+    """Refuses oversized or unauthenticated requests before any route runs."""
+
+    def __init__(self, app: Callable, metrics: ServerMetrics, settings: ServerSettings) -> None:
+        self.app, self.metrics, self.settings = app, metrics, settings
+        key = settings.resolved_api_key()
+        self.key = key.encode("utf-8") if key else None
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in ROUTES else "other"
+        statuses: list[int] = []  # the response's status, once started
+
+        async def send_recording(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+            await send(message)
+
+        try:
+            refusal = self.refusal(scope.get("headers") or [], path)
+            if refusal is not None:
+                response = error_response(refusal, self.settings.retry_after_s)
+                await response(scope, receive, send_recording)
+            else:
+                await self.app(scope, receive, send_recording)
+        finally:
+            if statuses:
+                self.metrics.observe_http(route, statuses[0])
+
+    def refusal(self, headers: list[tuple[bytes, bytes]], path: str) -> APIError | None:
+        """Why this request is refused before routing, or None."""
+        if sum(len(k) + len(v) + 4 for k, v in headers) > self.settings.max_header_bytes:
+            return APIError(431, "request headers are too large",
+                            code="request_header_fields_too_large")
+        if self.key is not None and path not in UNAUTHENTICATED:
+            auth = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(given, self.key):
+                return APIError(401, "invalid or missing API key (Authorization: Bearer)",
+                                code="invalid_api_key")
+        length = next((v for k, v in headers if k.lower() == b"content-length"), None)
+        if length is not None:
+            try:
+                too_big = int(length) > self.settings.max_body_bytes
+            except ValueError:
+                return bad_request("invalid Content-Length header")
+            if too_big:
+                return too_large(self.settings)
+        return None

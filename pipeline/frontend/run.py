@@ -1,0 +1,112 @@
+"""One HTTP request's engine requests (one per choice), merged into one ordered event queue."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.errors import RequestTimeoutError
+from pipeline.frontend.background import fire_and_forget
+from pipeline.frontend.errors import ClientGone
+from pipeline.output.request_output import RequestOutput
+from pipeline.params import SamplingParams
+from pipeline.tracing.otel import traceparent_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InflightCount:
+    """HTTP generation requests started and not yet closed (what a drain waits for)."""
+
+    value: int = 0
+
+
+@dataclass
+class ChoiceEvent:
+    """A delta of choice `index`, or the error that ended it (index -1: the client left)."""
+
+    index: int
+    output: RequestOutput | None = None
+    error: BaseException | None = None
+
+
+class EngineRun:
+    """The engine requests of one HTTP request, one per choice, merged into one event queue.
+    Counted in `inflight` from creation until `close`."""
+
+    def __init__(self, engine: Any, span: Any, inflight: InflightCount) -> None:
+        self.engine = engine
+        self.inflight = inflight
+        inflight.value += 1
+        self.closed = False
+        self.span = span  # the HTTP server span, ended on close; parent of the engine's spans
+        self.traceparent = traceparent_of(span)
+        self.queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.rids: list[str] = []
+        self.finished: set[int] = set()
+
+    def start(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        index = len(self.rids)
+        self.rids.append(rid)
+        self.tasks.append(asyncio.get_running_loop().create_task(
+            self._pump(index, rid, prompt_ids, params)))
+
+    async def _pump(self, index: int, rid: str, ids: list[int], params: SamplingParams) -> None:
+        agen = self.engine.generate(rid, ids, params, self.traceparent)
+        try:
+            async for out in agen:
+                self.queue.put_nowait(ChoiceEvent(index, output=out))
+                if out.finished:
+                    break
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to a status
+            self.queue.put_nowait(ChoiceEvent(index, error=e))
+        finally:
+            await agen.aclose()
+
+    def watch_disconnect(self, receive: Callable) -> None:
+        async def watch() -> None:
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            except Exception as e:  # noqa: BLE001 - a broken channel means the client is gone
+                log.debug("receive failed: %s", e)
+            self.queue.put_nowait(ChoiceEvent(-1, error=ClientGone()))
+
+        self.tasks.append(asyncio.get_running_loop().create_task(watch()))
+
+    async def next(self, deadline: float | None) -> tuple[int, RequestOutput]:
+        """The next delta of any choice; engine errors, ClientGone and timeouts are raised."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            event = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError("request timed out") from None
+        if event.error is not None:
+            raise event.error
+        assert event.output is not None
+        if event.output.finished:
+            self.finished.add(event.index)
+        return event.index, event.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.rids)
+
+    def close(self) -> None:
+        """Synchronous so it also runs in a cancelled handler: stop pumps, abort the unfinished."""
+        if not self.closed:
+            self.closed = True
+            self.inflight.value -= 1
+            if self.span is not None:
+                self.span.end()
+        for task in self.tasks:
+            task.cancel()
+        for i, rid in enumerate(self.rids):
+            if i not in self.finished:
+                fire_and_forget(self.engine.abort(rid))

@@ -1,0 +1,173 @@
+"""Turns one request's engine deltas into an OpenAI JSON body or an SSE stream, and records
+the request's metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from pipeline.frontend import responses as resp
+from pipeline.frontend.errors import ClientGone, error_for
+from pipeline.frontend.metrics import ServerMetrics
+from pipeline.frontend.run import EngineRun
+from pipeline.output.request_output import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResponseShape:
+    """What the response looks like, fixed by the request."""
+
+    rid: str
+    model: str  # the served name echoed back
+    chat: bool
+    n_choices: int
+    prompt_tokens: int
+    want_logprobs: bool
+    include_usage: bool  # streams: a final usage chunk, and "usage": null on the others
+    stop_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+
+
+class ResponseWriter:
+    """One run's deltas -> OpenAI JSON (`collect`) or SSE chunks (`stream`), plus metrics."""
+
+    def __init__(self, shape: ResponseShape, run: EngineRun, metrics: ServerMetrics,
+                 token_str: Callable[[int], str], t0: float) -> None:
+        self.shape, self.run, self.metrics, self.token_str = shape, run, metrics, token_str
+        self.choices = [resp.ChoiceState(index=i) for i in range(shape.n_choices)]
+        self.t0 = t0
+        self.last: list[float | None] = [None] * shape.n_choices
+        self.created = int(time.time())
+
+    async def first_deltas(self, deadline: float | None) -> list[tuple[int, RequestOutput]]:
+        """The first delta of any choice, plus whatever else is already queued.
+
+        Overload errors come before a choice's first delta, at submission, so by the time one
+        choice has output the others' immediate errors are queued too. Choices still waiting
+        for a slot do not hold back the stream of those already running."""
+        got = [await self.run.next(deadline)]
+        while not self.run.queue.empty():
+            got.append(await self.run.next(deadline))
+        return got
+
+    def _record(self, index: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        last = self.last[index]
+        self.metrics.observe_delta(len(out.token_ids), now - self.t0,
+                                   None if last is None else now - last)
+        if out.token_ids:
+            self.last[index] = now
+        self.choices[index].add(out)
+        if out.finished:
+            self.metrics.observe_finish(out.finish_reason, now - self.t0,
+                                        out.spec_accepted_tokens)
+
+    def stop_reason(self, c: resp.ChoiceState) -> Any:
+        return resp.stop_reason(c.matched_stop, c.finish_reason, self.shape.eos_token_ids,
+                                self.shape.stop_token_ids)
+
+    def _logprobs(self, token_ids: list[int], lps: list[float] | None,
+                  top: list | None, offset: int) -> dict | None:
+        if not self.shape.want_logprobs:
+            return None
+        lps, top = lps or [], top or []
+        if self.shape.chat:
+            return resp.chat_logprobs(token_ids, lps, top, self.token_str)
+        return resp.completion_logprobs(token_ids, lps, top, self.token_str, offset)
+
+    async def collect(self, deadline: float | None) -> dict[str, Any]:
+        while not self.run.done:
+            self._record(*await self.run.next(deadline))
+        build = resp.chat_response if self.shape.chat else resp.completion_response
+        return build(self.shape.rid, self.shape.model, self.choices, self.shape.prompt_tokens,
+                     lambda c: self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0),
+                     self.stop_reason)
+
+    async def stream(self, first: list[tuple[int, RequestOutput]], deadline: float | None,
+                     ) -> AsyncIterator[str]:
+        if self.shape.chat:
+            for c in self.choices:
+                yield self._sse(resp.chat_chunk(self.shape.rid, self.shape.model, self.created,
+                                                c.index, {"role": "assistant", "content": ""}))
+        pending = list(first)
+        try:
+            while True:
+                while pending:
+                    chunk = self._delta_chunk(*pending.pop(0))
+                    if chunk is not None:
+                        yield self._sse(chunk)
+                if self.run.done:
+                    break
+                pending.append(await self.run.next(deadline))
+        except ClientGone:
+            return
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, then end
+            yield resp.sse(error_for(e).body())
+            yield resp.SSE_DONE
+            return
+        if self.shape.include_usage:
+            yield resp.sse(self._usage_chunk())
+        yield resp.SSE_DONE
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        s = self.shape
+        return resp.usage_chunk(s.rid, s.model, self.created,
+                                "chat.completion.chunk" if s.chat else "text_completion",
+                                s.prompt_tokens, sum(len(c.token_ids) for c in self.choices))
+
+    def _delta_chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        c, s = self.choices[index], self.shape
+        offset = len(c.text)
+        self._record(index, out)
+        if not out.text and not out.token_ids and not out.finished:
+            return None
+        if not out.text and not out.finished and not s.want_logprobs:
+            return None  # tokens whose text is held back: nothing to show yet
+        lp = self._logprobs(out.token_ids, out.logprobs, out.top_logprobs, offset)
+        fin = {"finish_reason": c.finish_reason, "stop_reason": self.stop_reason(c),
+               "spec_stats": c.spec_stats()} if out.finished else {}
+        if s.chat:
+            delta = {"content": out.text} if out.text or not out.finished else {}
+            return resp.chat_chunk(s.rid, s.model, self.created, index, delta, lp, **fin)
+        return resp.completion_chunk(s.rid, s.model, self.created, index, out.text, lp, **fin)
+
+    def _sse(self, chunk: dict[str, Any]) -> str:
+        if self.shape.include_usage:
+            chunk["usage"] = None
+        return resp.sse(chunk)
+
+
+class SSEResponse(StreamingResponse):
+    """An SSE response that notices a vanished client (send fails) and always runs `on_close`.
+
+    Disconnects seen by `receive` are handled by the run's watcher, which ends the stream (so,
+    unlike StreamingResponse, this one never reads `receive` itself)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, status_code=200, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.body_iter, self.on_close = body, on_close
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for text in self.body_iter:
+                await send({"type": "http.response.body", "body": text.encode("utf-8"),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client went away mid-send
+        finally:
+            self.on_close()
+            try:
+                await self.body_iter.aclose()  # type: ignore[attr-defined]
+            except Exception as e:  # noqa: BLE001 - cleanup only; the run is already closed
+                log.debug("closing the SSE body: %s", e)
