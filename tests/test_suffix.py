@@ -98,12 +98,15 @@ def test_run_limit_evicts_whole_runs():
 
 @settings(max_examples=60, deadline=None)
 @given(seq=st.lists(st.integers(0, 3), min_size=2, max_size=60),
-       ctx=st.lists(st.integers(0, 3), min_size=1, max_size=6))
-def test_match_agrees_with_a_brute_force_scan(seq, ctx):
+       ctx=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+       chunk=st.integers(1, 60))
+def test_match_agrees_with_a_brute_force_scan(seq, ctx, chunk):
     """Small alphabet, few tokens: every occurrence is a candidate, so the index must find the
-    same longest match, occurrence count and first draft token as a scan of the sequence."""
+    same longest match, occurrence count and first draft token as a scan of the sequence,
+    whether it was written in decode-sized chunks (linked in Python) or long ones (numpy)."""
     ix = TokenIndex(capacity=128, max_depth=6, max_candidates=128)
-    ix.extend(seq)
+    for at in range(0, len(seq), chunk):
+        ix.extend(seq[at:at + chunk])
     m = ix.match(np.array(ctx), 1, spec_factor=1)
 
     def matched(end: int) -> int:

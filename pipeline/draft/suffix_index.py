@@ -26,7 +26,9 @@ import numpy as np
 
 ANCHORS = (8, 3, 1)  # anchor lengths, tried longest first: a rare long match beats a recent short
 SEPARATOR = -1  # between runs; never a token id, so it matches no context
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier (odd, well mixed)
+_MULT = 0x9E3779B97F4A7C15  # Fibonacci hashing multiplier (odd, well mixed), mod 2**64
+_M64 = (1 << 64) - 1
+_SMALL = 16  # chunks up to this long are linked in plain Python: numpy's per-call cost dominates
 
 
 @dataclass
@@ -91,6 +93,9 @@ class TokenIndex:
         start, self.end = self.end, self.end + new.size
         self._buf[np.arange(start, self.end) & self._mask] = new
         self._evict(self.end - self.capacity)
+        if new.size <= _SMALL:  # a decode step's commit
+            self._link_small(start)
+            return
         for a in ANCHORS:
             self._link(a, start)
 
@@ -136,12 +141,33 @@ class TokenIndex:
         last[:-1] = ~same[1:]
         self._head[a][b[last]] = p[last]
 
+    def _link_small(self, start: int) -> None:
+        """_link for every anchor, one position at a time (same chains, same buckets)."""
+        first = max(start - max(ANCHORS) + 1, self.oldest)
+        window = self._buf[np.arange(first, self.end) & self._mask].tolist()
+        for pos in range(max(start, self.oldest), self.end):
+            for a in ANCHORS:
+                gram = window[pos - a + 1 - first: pos + 1 - first] if pos - a + 1 >= first else []
+                if len(gram) < a or min(gram) < 0:
+                    continue
+                bucket = self._bucket_of(gram)
+                self._prev[a][pos & self._mask] = self._head[a][bucket]
+                self._head[a][bucket] = pos
+
     def _bucket(self, grams: np.ndarray) -> np.ndarray:
         """[n, a] token grams (newest token first) -> [n] bucket ids."""
         h = np.zeros(grams.shape[0], dtype=np.uint64)
+        mult = np.uint64(_MULT)
         for col in grams.T.astype(np.uint64):
-            h = (h ^ col) * _MULT
+            h = (h ^ col) * mult  # wraps mod 2**64, as _bucket_of's mask does
         return (h >> np.uint64(64 - self._bits)).astype(np.int64)
+
+    def _bucket_of(self, gram: list[int]) -> int:
+        """One gram (oldest token first) -> its bucket, as `_bucket` computes it."""
+        h = 0
+        for t in reversed(gram):
+            h = ((h ^ t) * _MULT) & _M64
+        return h >> (64 - self._bits)
 
     # --- reading ----------------------------------------------------------------------------
     def match(self, context: np.ndarray, max_tokens: int, min_score: float = 0.0,
@@ -172,7 +198,7 @@ class TokenIndex:
         return Match()
 
     def _candidates(self, a: int, gram: np.ndarray, exclude_last: bool) -> np.ndarray:
-        pos = int(self._head[a][self._bucket(gram[::-1][None, :])[0]])
+        pos = int(self._head[a][self._bucket_of(gram.tolist())])
         prev = self._prev[a]
         out: list[int] = []
         while pos >= self.oldest and len(out) < self.max_candidates:
