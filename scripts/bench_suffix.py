@@ -25,7 +25,9 @@ if __package__ in (None, ""):
 
 import numpy as np
 
+from pipeline.config import EngineConfig, load_config
 from pipeline.draft.suffix import SuffixProposer, SuffixSettings
+from pipeline.engine.step_plan import NewRequest, StepPlan
 from pipeline.params import SamplingParams
 
 GREEDY = SamplingParams()
@@ -103,25 +105,47 @@ def step_cost(size: int, steps: int, k: int, seed: int) -> dict:
     }
 
 
-def rss_growth(requests: int, seed: int, settings: SuffixSettings) -> dict:
-    p = SuffixProposer(settings)
+def rss_growth(requests: int, seed: int, config: EngineConfig, batch: int = 8) -> dict:
+    """Drive the draft actor's class (no Ray) with step plans: `batch` requests in flight,
+    4 tokens committed per step, finished ones released (which feeds the global index)."""
+    from actors.draft import DraftWorker
+
+    worker = DraftWorker(config)
+    index = worker.proposer.global_index
     traffic = Traffic(seed)
-    marks = {}
-    start = rss_mb()
-    for i in range(requests):
-        prompt, out = traffic.request(out_len=int(traffic.rng.integers(16, 256)))
-        rid = f"r{i}"
-        p.add(rid, prompt, GREEDY)
-        for at in range(0, len(out), 4):  # decode in 4-token steps, drafting each time
-            p.propose([rid], [16])
-            p.commit(rid, out[at:at + 4])
-        p.remove(rid)
-        if (i + 1) % max(1, requests // 5) == 0:
-            marks[i + 1] = round(rss_mb(), 1)
-    return {"requests": requests, "rss_mb_start": round(start, 1), "rss_mb_at": marks,
-            "index_tokens": len(p.global_index), "index_runs": p.global_index.num_runs,
-            "limit_tokens": settings.global_tokens, "limit_runs": settings.global_requests,
-            "index_mb": round(p.global_index.nbytes / 2**20, 1)}
+    live: dict[str, list[int]] = {}  # rid -> output tokens still to commit
+    release: list[str] = []
+    started = finished = step = 0
+    marks: dict[int, float] = {}
+    start_rss = rss_mb()
+    while finished < requests:
+        plan = StepPlan(step=step, release=release)
+        release = []
+        for rid, rest in list(live.items()):
+            plan.commits[rid] = rest[:4]
+            del rest[:4]
+            if rest:
+                plan.decode.append(rid)
+                plan.ks.append(config.num_speculative_tokens)
+            else:
+                release.append(rid)
+                del live[rid]
+                finished += 1
+                if finished % max(1, requests // 5) == 0:
+                    marks[finished] = round(rss_mb(), 1)
+        while len(live) < batch and started < requests:
+            prompt, out = traffic.request(out_len=int(traffic.rng.integers(16, 256)))
+            rid = f"r{started}"
+            plan.new.append(NewRequest(rid, prompt, GREEDY))
+            live[rid] = out
+            started += 1
+        worker.propose(plan)
+        step += 1
+    return {"requests": requests, "steps": step, "rss_mb_start": round(start_rss, 1),
+            "rss_mb_after": marks, "index_tokens": len(index), "index_requests": index.num_runs,
+            "limit_tokens": config.suffix_global_tokens,
+            "limit_requests": config.suffix_global_requests,
+            "index_mb": round(index.nbytes / 2**20, 1)}
 
 
 def main() -> None:
@@ -133,8 +157,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     report = {"step_cost": [step_cost(s, args.steps, args.k, args.seed) for s in args.sizes]}
-    report["rss"] = rss_growth(args.requests, args.seed, SuffixSettings(
-        global_requests=1000, global_tokens=262_144, max_model_len=4096))
+    config = load_config(None, {"draft": "suffix", "num_speculative_tokens": args.k,
+                                "max_model_len": 4096})
+    report["rss"] = rss_growth(args.requests, args.seed, config)
     print(json.dumps(report, indent=1))
 
 
