@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from pipeline.engine.spec_control import SpecSettings
+from pipeline.engine.spec_control import validate as validate_spec
 from pipeline.gc_tuning import DEFAULT_GEN0_THRESHOLD
 from pipeline.placement import Placement, parse_placement
 
@@ -29,7 +31,14 @@ class EngineConfig:
     draft: str = "ngram"  # ngram | suffix | model | none
     draft_model: str | None = None  # for draft: model; `tiny:<seed>` pairs with `model: tiny:<seed>`
     draft_agreement_noise: float = 0.1  # tiny draft only: weight noise vs the target
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 4  # most drafts per request and step
+    # adaptive: per request and step, k in 0..num_speculative_tokens from the request's own
+    # acceptance and the measured step cost (pipeline.engine.spec_control); fixed: always the most.
+    speculation: str = "adaptive"
+    spec_ema_alpha: float = 0.25  # weight of the newest step in the per-position acceptance EMA
+    spec_prior: float = 0.5  # acceptance assumed at a draft position not yet seen
+    spec_probe_every: int = 8  # steps a request spends at k = 0 before a one-draft probe
+    spec_cost_decay: float = 0.97  # per-step decay of the step-cost model's past observations
     tensor_parallel_size: int = 1
     num_slots: int = 8
     max_model_len: int = 2048
@@ -89,6 +98,7 @@ class EngineConfig:
         if self.gc_gen0_threshold is not None:
             _positive_int("gc_gen0_threshold", self.gc_gen0_threshold, minimum=100)
         _choice("draft", self.draft, DRAFT_KINDS)
+        validate_spec(self.spec_settings)
         _choice("attention_backend", self.attention_backend, BACKENDS)
         _choice("dtype", self.dtype, DTYPES)
         if not isinstance(self.model, str) or not self.model:
@@ -113,6 +123,11 @@ class EngineConfig:
         parse_placement(self.placement)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError("device: must be a device string such as cpu or cuda")
+
+    @property
+    def spec_settings(self) -> SpecSettings:
+        return SpecSettings(self.speculation, self.num_speculative_tokens, self.spec_ema_alpha,
+                            self.spec_prior, self.spec_probe_every, self.spec_cost_decay)
 
     @property
     def placement_spec(self) -> Placement:

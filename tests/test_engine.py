@@ -118,7 +118,7 @@ def test_speculative_greedy_equals_target_only(draft, batch, overlap, reference)
 
 
 def test_draft_model_accepts_some_but_not_all_drafts():
-    _, core = run({"draft": "model"}, mixed_requests(8))
+    _, core = run({"draft": "model", "speculation": "fixed"}, mixed_requests(8))
     s = core.stats
     assert 0.2 < s.accepted_tokens / s.draft_tokens < 0.8
     assert s.histogram[0] > 0 and s.histogram[-1] > 0 and len(s.histogram) == 5
@@ -145,7 +145,7 @@ def test_finishes_inside_one_window_end_exactly_and_emit_nothing_after(overlap, 
     ref = reference[0]
     requests = finish_mid_window_requests(ref)
     core = build_local_engine(load_config(CONFIG, {**PLACEMENT, "draft_agreement_noise": 0.0,
-                                                   "overlap": overlap}))
+                                                   "overlap": overlap, "speculation": "fixed"}))
     deltas: dict[str, list] = {}
 
     async def main():
@@ -275,14 +275,15 @@ def test_full_queue_raises_overloaded_before_queueing():
 
 
 class _BrokenStages(LocalStages):
-    def __init__(self, inner: LocalStages, mode: str) -> None:
+    def __init__(self, inner: LocalStages, mode: str, fail_at: int = 3) -> None:
         super().__init__(inner.proposer, inner.verifier, inner.output)
         self.mode = mode
         self.steps = 0
+        self.fail_at = fail_at
 
     async def run_step(self, plan):
         self.steps += 1
-        if self.steps == 3:
+        if self.steps == self.fail_at:
             if self.mode == "raise":
                 raise RuntimeError("verifier rank 1 died")
             await asyncio.sleep(30)  # a hung stage
@@ -313,7 +314,7 @@ def test_stage_failure_or_timeout_fails_requests_and_marks_unhealthy(mode):
 
     errors, elapsed = asyncio.run(main())
     assert elapsed < 3
-    assert ("died" if mode == "raise" else "step timeout") in errors[0]
+    assert ("died" if mode == "raise" else "stalled") in errors[0]
     health = core.health()
     assert health["healthy"] is False and health["reason"]
 
@@ -394,3 +395,27 @@ def test_abort_while_the_output_stage_registers_never_queues_the_request():
     assert after[-1].finished and sum(len(d.token_ids) for d in after) == 4
     assert not core.scheduler.running and not core.scheduler.waiting
     assert core.scheduler.free_slots == 8 and stages.output.num_requests == 0
+
+
+def test_a_hang_after_fast_steps_is_declared_at_the_adaptive_bound_not_the_ceiling():
+    """Once steps were timed, the stall bound is a multiple of their p99 (here at most a few
+    seconds), far under the 600 s ceiling that holds before any step was timed."""
+    config = load_config(CONFIG, {"step_timeout_s": 600, "step_timeout_floor_s": 0.5,
+                                  "overlap": False})
+    inner = build_local_engine(config)
+    core = EngineCore(config, _BrokenStages(inner.stages, "hang", fail_at=30), vocab_size=256)
+    assert core.stall_bound_s == 600
+
+    async def main():
+        core.start()
+        stream = await core.add_request("r", PROMPTS[0], SamplingParams(
+            max_new_tokens=240, ignore_eos=True))  # >= 48 steps of at most 5 tokens
+        with pytest.raises(EngineDeadError, match="stalled") as e:
+            async for _ in stream:
+                pass
+        await core.stop()
+        return str(e.value)
+
+    error = asyncio.run(main())
+    assert core.stall_bound_s < 60, error
+    assert core.health()["healthy"] is False

@@ -32,6 +32,7 @@ class Proposal:
     tokens: list[list[int]]
     probs: list[torch.Tensor | None] | None = None
     confidence: list[list[float]] | None = None
+    seconds: float = 0.0  # time the proposer took (the engine's step-cost model uses it)
 
 
 class Proposer(ABC):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pipeline.config import EngineConfig
 from pipeline.draft.base import Proposal, Proposer
 from pipeline.engine.step_plan import StepPlan
@@ -15,7 +17,10 @@ def draft_step(proposer: Proposer, plan: StepPlan) -> Proposal:
         proposer.add(new.rid, new.prompt_ids, new.params)
     for rid, tokens in plan.commits.items():
         proposer.commit(rid, tokens)
-    return proposer.propose(plan.decode, plan.ks)
+    start = time.perf_counter()
+    proposal = proposer.propose(plan.decode, plan.ks)
+    proposal.seconds = time.perf_counter() - start
+    return proposal
 
 
 def build_proposer(config: EngineConfig) -> Proposer:

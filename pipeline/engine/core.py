@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from pipeline.config import EngineConfig
 from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.spec_control import SpecController
 from pipeline.engine.stall import StallDetector, plan_tokens
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineDeadError
@@ -112,7 +113,8 @@ class EngineCore:
         self.stages = stages
         self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
                                    config.k, vocab_size,
-                                   reserved_slots=config.reserved_slots)
+                                   reserved_slots=config.reserved_slots,
+                                   spec=SpecController(config.spec_settings))
         self.stats = EngineStats()
         self.stall = StallDetector(config.step_timeout_floor_s, config.step_timeout_p99_multiple,
                                    config.step_timeout_s)
@@ -227,6 +229,9 @@ class EngineCore:
         self.stall.record(time.monotonic() - started, tokens)
         self.scheduler.apply(outcome)
         self.stats.record(outcome, len(plan.new))
+        new = len(plan.new)  # the adaptive k learns from the decodes only
+        self.scheduler.spec.observe(outcome.rids[new:], outcome.drafted[new:],
+                                    [len(t) for t in outcome.tokens[new:]], outcome.decode_s)
         self.last_progress = time.time()
         output = asyncio.ensure_future(
             self._timed(self.stages.process(outcome.payload), plan.step, "output"))

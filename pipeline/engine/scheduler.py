@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pipeline.engine.admission import FairQueue
+from pipeline.engine.spec_control import SpecController, SpecSettings
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
@@ -66,11 +67,14 @@ class EngineRequest:
 
 class Scheduler:
     def __init__(self, num_slots: int, max_waiting: int, max_model_len: int, k: int,
-                 vocab_size: int, reserved_slots: int = 0) -> None:
+                 vocab_size: int, reserved_slots: int = 0,
+                 spec: SpecController | None = None) -> None:
         self.num_slots = num_slots
         self.max_waiting = max_waiting
         self.max_model_len = max_model_len
         self.k = k
+        # Chooses each decode's k under its cap (fixed: the cap itself).
+        self.spec = spec or SpecController(SpecSettings("fixed", k))
         self.vocab_size = vocab_size
         # At most num_slots - 1 reserved: a lone request can always run.
         self.waiting = FairQueue(min(reserved_slots, num_slots - 1))
@@ -126,6 +130,7 @@ class Scheduler:
         if req is not None:
             req.status = Status.FINISHED
             self._release.append(rid)
+            self.spec.forget(rid)
             self._held[req.group] -= 1
             if self._held[req.group] <= 0:
                 del self._held[req.group]
@@ -154,6 +159,8 @@ class Scheduler:
             # No drafts past the output cap or past the slot's max_len.
             plan.ks.append(max(0, min(self.k, req.remaining - 1,
                                       self.max_model_len - req.seq_len)))
+        plan.ks = self.spec.choose(plan.decode, plan.ks, [
+            r.params.seed is not None and r.params.temperature > 0 for r in decode])
         for req in admitted:
             req.status = Status.RUNNING
             self.running[req.rid] = req

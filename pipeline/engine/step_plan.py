@@ -49,3 +49,4 @@ class StepOutcome:
     tokens: list[list[int]]  # accepted drafts + target token, per rid (before finish truncation)
     drafted: list[int]
     payload: Any = b""  # the msgpack message (bytes), or under Ray an object ref to it
+    decode_s: float | None = None  # seconds drafting + verifying the decodes (not the prefills)

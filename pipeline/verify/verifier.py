@@ -54,15 +54,20 @@ class Verifier:
         if not plan.rids:  # a release-only plan
             return StepOutcome(plan.step, [], [], []) if self.driver else None
         drafts = self._drafts(plan, proposal)
-        logits = self._forward(plan, drafts)
+        logits, decode_s = self._forward(plan, drafts)
         if not self.driver:
             return None
+        start = time.perf_counter()
         params = [self._params[rid] for rid in plan.rids]
         positions = [0] * len(plan.new) + list(plan.num_outputs)
         all_drafts = [[] for _ in plan.new] + drafts
         q = self._draft_probs(plan, proposal, all_drafts)
         result = _accept(logits, all_drafts, params, positions, q, self.generator)
-        return _outcome(plan, result, all_drafts, params)
+        outcome = _outcome(plan, result, all_drafts, params)
+        if plan.decode:  # what the decodes cost: drafting, their forward, acceptance
+            outcome.decode_s = (decode_s + time.perf_counter() - start
+                                + (proposal.seconds if proposal is not None else 0.0))
+        return outcome
 
     def _drafts(self, plan: StepPlan, proposal: Proposal | None) -> list[list[int]]:
         """Drafts per decode rid, cut so the slot never grows past max_len."""
@@ -74,9 +79,12 @@ class Verifier:
             out.append(list(tokens[: max(0, min(k, room))]))
         return out
 
-    def _forward(self, plan: StepPlan, drafts: list[list[int]]) -> list[torch.Tensor]:
-        """Logits per rid in message order: [1, V] for a prefill, [1 + k_i, V] for a verify."""
+    def _forward(self, plan: StepPlan, drafts: list[list[int]]
+                 ) -> tuple[list[torch.Tensor], float]:
+        """Logits per rid in message order: [1, V] for a prefill, [1 + k_i, V] for a verify;
+        and the seconds the verify forward took."""
         logits: list[torch.Tensor] = []
+        decode_s = 0.0
         if plan.new:
             slots = [self._slots[n.rid] for n in plan.new]
             logits += self.runner.forward(slots, [n.prompt_ids for n in plan.new], last_only=True)
@@ -85,8 +93,10 @@ class Verifier:
             for slot, kv_len in zip(slots, plan.kv_lens):
                 self.runner.truncate(slot, kv_len)  # lazy commit of the previous step
             runs = [[last] + d for last, d in zip(plan.last_tokens, drafts)]
+            start = time.perf_counter()
             logits += self.runner.forward(slots, runs)
-        return logits
+            decode_s = time.perf_counter() - start
+        return logits, decode_s
 
     def _draft_probs(self, plan: StepPlan, proposal: Proposal | None,
                      drafts: list[list[int]]) -> torch.Tensor | None:

@@ -1,0 +1,189 @@
+"""How many drafts each request verifies this step (k, 0 allowed): adaptive speculation.
+
+Per request, an EMA per draft position estimates p[i] = P(position i accepted | position i-1
+accepted), updated only from positions the verifier actually saw. Drafting j tokens then yields
+`1 + sum_{m<=j} S_m` expected tokens, S_m = p[0] * ... * p[m-1]; the m-th draft's marginal gain S_m
+never grows with m. The engine measures what a step costs (`CostModel`: seconds ~ base +
+per_row * verify rows + per_draft * longest draft), so for each cap K on the longest draft the
+best rows are the largest gains; the plan keeps the (K, rows) with the most expected retained
+tokens per second for the whole batch. A request held at k = 0 for `probe_every` steps gets one
+draft, so text that turns repetitive earns drafts again.
+
+Lossless by construction: k only decides how many drafts are checked, never which token the
+target keeps (greedy output is identical; rejection sampling preserves the distribution for any k
+chosen from the past).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MODES = ("adaptive", "fixed")
+
+
+@dataclass
+class SpecSettings:
+    mode: str = "adaptive"  # adaptive | fixed (always the most drafts allowed)
+    max_k: int = 4  # most drafts per request and step
+    ema_alpha: float = 0.25  # weight of the newest observation in the per-position EMA
+    prior: float = 0.5  # acceptance assumed at a position not yet seen
+    probe_every: int = 8  # steps at k = 0 before a one-draft probe
+    cost_decay: float = 0.97  # per-step decay of the cost model's past observations
+
+
+@dataclass
+class Acceptance:
+    """One request's per-position conditional acceptance (EMA) and its k = 0 streak."""
+
+    p: list[float]
+    idle: int = 0
+
+    def update(self, drafted: int, accepted: int, alpha: float) -> None:
+        """Positions 0..accepted were tried (0..accepted-1 accepted, `accepted` rejected when
+        it was drafted); later positions were never reached and say nothing."""
+        for i in range(min(drafted, accepted + 1)):
+            self.p[i] += alpha * ((1.0 if i < accepted else 0.0) - self.p[i])
+
+    def gains(self, k: int) -> list[float]:
+        """Expected extra tokens of the 1st..k-th draft: S_1..S_k."""
+        out, s = [], 1.0
+        for i in range(k):
+            s *= self.p[i]
+            out.append(s)
+        return out
+
+
+@dataclass
+class CostModel:
+    """Seconds of one decode step ~ base + per_row * rows + per_draft * longest draft, fitted by
+    exponentially weighted least squares over (rows, longest draft) observations. Until the
+    first observation sets the scale, a prior says a verify row costs a tenth of the base."""
+
+    decay: float = 0.97
+    prior_weight: float = 2.0
+    _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+    _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    _coef: np.ndarray | None = None
+
+    def observe(self, rows: int, longest: int, seconds: float) -> None:
+        if self._coef is None:  # the scale: a prior from the first observation
+            base = seconds / (1.0 + 0.1 * rows)
+            for r, k in ((1, 0), (4 * rows + 4, 0), (rows, 4)):
+                self._add(r, k, base * (1.0 + 0.1 * r), self.prior_weight)
+        self._xx *= self.decay
+        self._xy *= self.decay
+        self._add(rows, longest, seconds, 1.0)
+        coef = np.linalg.lstsq(self._xx, self._xy, rcond=None)[0]
+        self._coef = np.maximum(coef, [1e-6, 0.0, 0.0])  # costs never negative
+
+    def _add(self, rows: int, longest: int, seconds: float, weight: float) -> None:
+        x = np.array([1.0, float(rows), float(longest)])
+        self._xx += weight * np.outer(x, x)
+        self._xy += weight * seconds * x
+
+    @property
+    def known(self) -> bool:
+        return self._coef is not None
+
+    def seconds(self, rows: int, longest: int) -> float:
+        base, _, per_draft = self.coefficients(rows)  # `rows` plain rows cost base
+        return base + per_draft * longest
+
+    def coefficients(self, batch: int) -> tuple[float, float, float]:
+        """(seconds of a plain decode of `batch` rows, per extra verify row, per draft step)."""
+        assert self._coef is not None
+        c0, c1, c2 = (float(c) for c in self._coef)
+        return c0 + c1 * batch, c1, c2
+
+
+class SpecController:
+    """Chooses per-request k each step and learns from each step's outcome."""
+
+    def __init__(self, settings: SpecSettings) -> None:
+        self.settings = settings
+        self.cost = CostModel(settings.cost_decay)
+        self._acc: dict[str, Acceptance] = {}
+
+    def choose(self, rids: list[str], caps: list[int],
+               pinned: list[bool] | None = None) -> list[int]:
+        """k per request, each at most its cap (room left under the length limits). A pinned
+        request always gets its cap: a seeded sampled request's random stream is keyed by the
+        output position a step starts at, so a k that follows measured timings would make its
+        output irreproducible (the distribution would still be right)."""
+        s = self.settings
+        caps = [max(0, min(s.max_k, c)) for c in caps]
+        if s.mode == "fixed" or not rids:
+            return caps
+        accs = [self._state(r) for r in rids]
+        if not self.cost.known:  # nothing measured yet: one plain step sets the scale
+            ks = [0] * len(rids)
+        else:
+            ks = self._best(accs, caps)
+        for i, (a, cap) in enumerate(zip(accs, caps)):
+            if pinned is not None and pinned[i]:
+                ks[i] = cap
+                continue
+            if ks[i] == 0 and cap > 0:
+                a.idle += 1
+                if a.idle >= s.probe_every:
+                    ks[i] = 1
+            if ks[i] > 0:
+                a.idle = 0
+        return ks
+
+    def _best(self, accs: list[Acceptance], caps: list[int]) -> list[int]:
+        batch = len(accs)
+        base, per_row, per_draft = self.cost.coefficients(batch)
+        gains = [a.gains(c) for a, c in zip(accs, caps)]
+        best, best_rate = [0] * batch, batch / base
+        for longest in range(1, max(caps, default=0) + 1):
+            items = sorted(((g, i) for i, gs in enumerate(gains) for g in gs[:longest]),
+                           reverse=True)
+            tokens, ks, last = float(batch), [0] * batch, 0.0
+            fixed = base + per_draft * longest
+            for rows, (g, i) in enumerate(items, start=1):
+                tokens += g
+                ks[i] += 1  # gains per request are non-increasing, so this takes a prefix
+                rate = tokens / (fixed + per_row * rows)
+                if rate < last:  # falling gains over a linear cost: past the peak
+                    break
+                last = rate
+                if rate > best_rate:
+                    best, best_rate = list(ks), rate
+        return best
+
+    def observe(self, rids: list[str], drafted: list[int], num_tokens: list[int],
+                seconds: float | None) -> None:
+        """A decode step's outcome: per request drafts verified and tokens produced (accepted
+        drafts + 1); `seconds` the measured step time (None: not measured)."""
+        alpha = self.settings.ema_alpha
+        for rid, d, n in zip(rids, drafted, num_tokens):
+            if d > 0:
+                self._state(rid).update(d, n - 1, alpha)
+        if seconds is not None and rids:
+            self.cost.observe(len(rids) + sum(drafted), max(drafted, default=0), seconds)
+
+    def forget(self, rid: str) -> None:
+        self._acc.pop(rid, None)
+
+    def _state(self, rid: str) -> Acceptance:
+        a = self._acc.get(rid)
+        if a is None:
+            a = self._acc[rid] = Acceptance([self.settings.prior] * self.settings.max_k)
+        return a
+
+
+def validate(settings: SpecSettings) -> None:
+    """ValueError naming the config field (speculation, spec_*)."""
+    if settings.mode not in MODES:
+        raise ValueError(f"speculation: must be one of {', '.join(MODES)}, got {settings.mode!r}")
+    for name, value in (("spec_ema_alpha", settings.ema_alpha), ("spec_prior", settings.prior),
+                        ("spec_cost_decay", settings.cost_decay)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 < value <= 1:
+            raise ValueError(f"{name}: must be a number in (0, 1], got {value!r}")
+    probe = settings.probe_every
+    if isinstance(probe, bool) or not isinstance(probe, int) or probe < 1:
+        raise ValueError(f"spec_probe_every: must be an integer >= 1, got {probe!r}")

@@ -1,0 +1,92 @@
+"""Speculative statistics end to end in the in-process engine: the per-request identity holds for
+every request (stops and truncated windows included) and the per-request sums equal the
+Prometheus counters the front end exports."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.config import load_config
+from pipeline.engine.local import build_local_engine, collect
+from pipeline.frontend.metrics import ServerMetrics
+from pipeline.params import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIG = "configs/tiny.yaml"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3] * 20, [77, 78, 77, 78, 77], [100, 101]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(overrides: dict, requests: list) -> tuple[dict, dict]:
+    core = build_local_engine(load_config(CONFIG, overrides))
+
+    async def go() -> tuple[dict, dict]:
+        done = await collect(core, requests)
+        return done, await core.stats_dict()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_every_request_satisfies_the_statistics_identity(draft, speculation):
+    reqs = []
+    for i in range(8):
+        p = PROMPTS[i % len(PROMPTS)]
+        reqs.append((f"r{i}", p, SamplingParams(
+            max_new_tokens=10 + 3 * i, stop=[chr(p[0])] if i % 3 == 1 else [],
+            stop_token_ids=[p[-1]] if i % 3 == 2 else [])))
+    done, _ = _run({"draft": draft, "speculation": speculation}, reqs)
+    for c in done.values():
+        last = c.last
+        assert len(c.token_ids) == 1 + last.spec_verify_ct + last.spec_accepted_tokens
+        assert sum(last.spec_acceptance_histogram) == last.spec_verify_ct
+        assert last.spec_accepted_tokens <= last.spec_draft_tokens
+
+
+def _counters(stats: dict) -> dict[str, float]:
+    metrics = ServerMetrics("m")
+    metrics.update_engine_stats(stats)
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics.render().decode()):
+        for s in fam.samples:
+            key = s.name + "".join(f"[{v}]" for k, v in s.labels.items() if k == "position")
+            out[key] = s.value
+    return out
+
+
+def test_per_request_sums_equal_the_prometheus_counters():
+    # No stop rule can cut a window (EOS ignored, drafts are capped at the length limit), so the
+    # retained per-request statistics and the engine's raw counters count the same tokens.
+    reqs = [(f"r{i}", PROMPTS[i % len(PROMPTS)],
+             SamplingParams(max_new_tokens=12 + 5 * i, ignore_eos=True)) for i in range(6)]
+    done, stats = _run({"draft": "ngram", "speculation": "fixed"}, reqs)
+    lasts = [c.last for c in done.values()]
+    m = _counters(stats)
+    drafts = sum(x.spec_draft_tokens for x in lasts)
+    accepted = sum(x.spec_accepted_tokens for x in lasts)
+    assert drafts > 0 and accepted > 0
+    assert m["specrelay_spec_decode_num_draft_tokens_total"] == drafts
+    assert m["specrelay_spec_decode_num_accepted_tokens_total"] == accepted
+    assert m["specrelay_spec_decode_num_verify_steps_total"] == sum(x.spec_verify_ct for x in lasts)
+    per_pos = [m[k] for k in sorted(m) if k.startswith(
+        "specrelay_spec_decode_num_accepted_tokens_per_pos_total[")]
+    assert sum(per_pos) == accepted
+    assert per_pos == sorted(per_pos, reverse=True)  # position i needs i-1 accepted
+    hist = [0] * max(len(x.spec_acceptance_histogram) for x in lasts)
+    for x in lasts:
+        for i, n in enumerate(x.spec_acceptance_histogram):
+            hist[i] += n
+    assert stats["acceptance_histogram"] == hist
