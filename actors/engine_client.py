@@ -41,8 +41,10 @@ class EngineClient:
         self.handle = handle
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       traceparent: str | None = None) -> AsyncIterator[RequestOutput]:
-        gen = self.handle.generate.remote(rid, prompt_ids, params, traceparent)
+                       traceparent: str | None = None,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
+        """`group`: the client request this choice belongs to (fair admission)."""
+        gen = self.handle.generate.remote(rid, prompt_ids, params, traceparent, group)
         finished = False
         try:
             async for ref in gen:

@@ -41,3 +41,9 @@ class OutputActor:
 
     def ping(self) -> bool:
         return True
+
+    def flush_telemetry(self, timeout_s: float) -> bool:
+        """Export the spans ended so far (before this actor is killed or the job ends)."""
+        from pipeline.tracing.otel import flush_tracing
+
+        return flush_tracing(timeout_s)

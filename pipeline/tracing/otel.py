@@ -236,6 +236,15 @@ def current_provider() -> TracerProvider | None:
     return None if _installed is None else _installed.provider
 
 
+def flush_tracing(timeout_s: float = 10.0) -> bool:
+    """Export every span this process has ended so far (the batch processor holds them for up to
+    5 s); call before the process may end: at exit, on SIGTERM, before an actor is killed.
+    False when an exporter did not finish in time."""
+    if _installed is None:
+        return True
+    return bool(_installed.provider.force_flush(int(timeout_s * 1000)))
+
+
 def shutdown_tracing() -> None:
     """Flush and close this process's exporters; a later setup_tracing starts afresh."""
     global _installed
