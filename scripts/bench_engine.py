@@ -1,23 +1,26 @@
 """End-to-end engine benchmark: modes x workloads x batch sizes on one set of weights, with
 Hugging Face `generate` (plain and prompt lookup) as the outside baseline, in one process/run.
 
-    .venv/bin/python scripts/bench_engine.py [--max-tokens 64] [--batches 1 8 32] ...
-    specrelay bench [same flags]
+    .venv/bin/python scripts/bench_engine.py [--max-tokens 64] [--reps 3] [--plan copy:1,8] ...
 
-Modes: `none` (target only), `ngram` (prompt lookup) and `model` (a draft model). SmolLM2-135M
-has no smaller sibling here, so the `model` draft is a STAND-IN: the target's own weights with
-most layers skipped (`--draft-layers`), sharing the embedding, final norm and LM head.
+Modes: `none` (target only), `adaptive` (n-gram drafts, k chosen per request and step by
+pipeline.engine.spec_control, up to the largest fixed k), `k2` / `k4` / `k8` (n-gram drafts, fixed
+k) and `model` (a draft model, adaptive). SmolLM2-135M has no smaller sibling here, so the `model`
+draft is a STAND-IN: the target's own weights with most layers skipped (`--draft-layers`).
 
-"Batch b" means b requests in flight together: the workload's prompts run in waves of b (a wave
-starts when the previous one has finished), so TTFT never includes queueing.
+Protocol: "batch b" means b requests in flight together (waves of b; a wave starts when the
+previous one has finished, so TTFT never includes queueing). Every mode runs every wave of a
+cell, the modes interleaved wave by wave, in a rotated order per repetition (`--reps`, >= 3 for
+numbers worth quoting); a cell reports the median of its repetitions and their spread. CPU time is
+this process's (every thread) in-process, and the Ray processes' (the driver's descendants:
+raylet, GCS, actors) for the Ray row, labelled with the cores Ray was given. Greedy outputs of
+every engine run are compared with an independent reference (target-only, one request at a time,
+one token per forward, in-process: `reference_outputs` below, sharing no code with the engine
+loop), and every request's statistics must satisfy completion = 1 + verify_ct + accepted.
 
-Per run it records output tokens/s, requests/s, TTFT and inter-token latency p50/p99, accepted
-length and acceptance rate, and (in-process) the step time split into draft, verify, output
-processing and the rest. Under Ray (`--ray-batches`) only the totals are known; the difference
-to the in-process run of the same configuration is the Ray overhead.
-
-Writes `<out>/results.json` and PNG plots; exits 1 (after writing them) when greedy outputs
-differ between modes, printing the first difference.
+Writes `<out>/results.json` (with the commit and whether the tree was dirty) and PNG plots; exits 1
+(after writing them) when a greedy output differs from the reference or a request breaks the
+statistics identity, printing the first case.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` a
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD_DIR = os.path.join(ROOT, "scripts", "workloads")
-MODES = ("none", "ngram", "model")
+MODES = ("none", "adaptive", "k2", "k4", "k8", "model")
+FIXED_K = {"k2": 2, "k4": 4, "k8": 8}
 
 
 # --- workloads ------------------------------------------------------------------------------
@@ -97,7 +101,8 @@ class Clock:
         runner.forward = forward
 
 
-def timed_stages(clock: Clock, proposer: Any, verifier: Any, output: Any) -> Any:
+def timed_stages(clock: Clock) -> Any:
+    """A LocalStages subclass adding each stage's time to `clock` (for build_local_engine)."""
     from pipeline.draft.step import draft_step
     from pipeline.engine.local import LocalStages
 
@@ -118,7 +123,7 @@ def timed_stages(clock: Clock, proposer: Any, verifier: Any, output: Any) -> Any
             clock.times.output += time.perf_counter() - t0
             return out
 
-    return TimedStages(proposer, verifier, output)
+    return TimedStages
 
 
 # --- results ------------------------------------------------------------------------------
@@ -144,7 +149,10 @@ class RunResult:
     histogram: list[int] = field(default_factory=list)  # verifies by accepted drafts
     cpu_s: float = 0.0
     tokens_per_cpu_s: float = 0.0
-    wave_tokens_per_s: list[float] = field(default_factory=list)  # spread across waves
+    rep_tokens_per_s: list[float] = field(default_factory=list)  # one per repetition
+    spread: float | None = None  # (max - min) / median of rep_tokens_per_s
+    cores: int | None = None  # Ray: CPUs Ray was given
+    stats_violations: list[str] = field(default_factory=list)  # requests breaking the identity
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per step
     ray_vs_local: dict[str, float] = field(default_factory=dict)  # ray runs: local, interleaved
     outside_forward_frac: float | None = None  # step time not in a model forward
@@ -170,6 +178,7 @@ class Trace:
     times: list[float]  # arrival of each delta that carried tokens
     counts: list[int]  # tokens per such delta
     token_ids: list[int]
+    spec: tuple[int, int, int] | None = None  # final (verify_ct, accepted, draft tokens)
 
 
 def latency_stats(traces: list[Trace]) -> dict[str, float | None]:
@@ -193,6 +202,8 @@ async def stream_one(submit: Callable[[], Any], rid: str) -> Trace:
             trace.times.append(time.perf_counter())
             trace.counts.append(len(d.token_ids))
             trace.token_ids += list(d.token_ids)
+        if d.finished:
+            trace.spec = (d.spec_verify_ct, d.spec_accepted_tokens, d.spec_draft_tokens)
     return trace
 
 
@@ -230,46 +241,57 @@ class Segment:
     times: StageTimes | None = None
 
 
+SPEC_KEYS = ("steps", "verify_steps", "num_draft_tokens", "num_accepted_tokens")
+
+
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     hist_b, hist_a = before["histogram"], after["histogram"]
     hist = [n - (hist_b[i] if i < len(hist_b) else 0) for i, n in enumerate(hist_a)]
-    return {k: after[k] - before[k] for k in ("steps", "verifies", "accepted_tokens",
-                                              "drafted_tokens")} | {"histogram": hist}
+    return {k: after[k] - before[k] for k in SPEC_KEYS} | {"histogram": hist}
 
 
 def snapshot(stats: Any) -> dict[str, Any]:
-    if isinstance(stats, dict):
-        return {k: stats[k] for k in ("steps", "verifies", "accepted_tokens", "drafted_tokens")} \
-            | {"histogram": list(stats.get("acceptance_histogram", []))}
-    return {"steps": stats.steps, "verifies": stats.verifies,
-            "accepted_tokens": stats.accepted_tokens, "drafted_tokens": stats.drafted_tokens,
-            "histogram": list(stats.histogram)}
+    """The engine's raw counters, from `stats_dict()` (Ray) or an EngineStats (in-process)."""
+    if not isinstance(stats, dict):
+        stats = {"steps": stats.steps, "verify_steps": stats.verify_steps,
+                 "num_draft_tokens": stats.draft_tokens,
+                 "num_accepted_tokens": stats.accepted_tokens,
+                 "acceptance_histogram": stats.histogram}
+    return {k: stats[k] for k in SPEC_KEYS} | {
+        "histogram": list(stats.get("acceptance_histogram", []))}
 
 
 def merge(engine: str, mode: str, workload: str, batch: int,
-          segs: list[Segment]) -> RunResult:
-    """One RunResult from a mode's waves (interleaved with the other modes' waves)."""
+          reps: list[list[Segment]]) -> RunResult:
+    """One RunResult from a mode's waves, per repetition (interleaved with the other modes'):
+    tok/s is the median over repetitions, totals are over all of them."""
+    segs = [s for r in reps for s in r]
     traces = [t for s in segs for t in s.traces]
     wall, cpu = sum(s.wall for s in segs), sum(s.cpu for s in segs)
     tokens = sum(len(t.token_ids) for t in traces)
-    res = RunResult(engine, mode, workload, batch, len(traces), tokens, wall, tokens / wall,
+    rates = [sum(len(t.token_ids) for s in r for t in s.traces) / sum(s.wall for s in r)
+             for r in reps]
+    median = percentile(rates, 50) or 0.0
+    res = RunResult(engine, mode, workload, batch, len(traces), tokens, wall, median,
                     len(traces) / wall, cpu_s=cpu, tokens_per_cpu_s=tokens / max(cpu, 1e-9),
-                    wave_tokens_per_s=[sum(len(t.token_ids) for t in s.traces) / s.wall
-                                       for s in segs],
+                    rep_tokens_per_s=rates,
+                    spread=(max(rates) - min(rates)) / median if median else None,
                     **latency_stats(traces), outputs={t.rid: t.token_ids for t in traces})
+    res.stats_violations = [
+        f"{t.rid}: {len(t.token_ids)} tokens != 1 + {t.spec[0]} + {t.spec[1]}"
+        for t in traces if t.spec is not None and len(t.token_ids) != 1 + t.spec[0] + t.spec[1]]
     specs = [s.spec for s in segs if s.spec is not None]
     if specs:
-        spec = {k: sum(x[k] for x in specs) for k in ("steps", "verifies", "accepted_tokens",
-                                                        "drafted_tokens")}
+        spec = {k: sum(x[k] for x in specs) for k in SPEC_KEYS}
         width = max(len(x["histogram"]) for x in specs)
         spec["histogram"] = [sum(x["histogram"][i] for x in specs if i < len(x["histogram"]))
                              for i in range(width)]
         res.steps = spec["steps"]
         res.histogram = spec["histogram"]
-        if spec["verifies"]:
-            res.mean_accepted_len = spec["accepted_tokens"] / spec["verifies"] + 1
-        if spec["drafted_tokens"]:
-            res.acceptance_rate = spec["accepted_tokens"] / spec["drafted_tokens"]
+        if spec["verify_steps"]:  # every decode step, drafted or not
+            res.mean_accepted_len = spec["num_accepted_tokens"] / spec["verify_steps"] + 1
+        if spec["num_draft_tokens"]:
+            res.acceptance_rate = spec["num_accepted_tokens"] / spec["num_draft_tokens"]
     times = [s.times for s in segs if s.times is not None]
     if times:
         total = StageTimes()
@@ -334,7 +356,7 @@ def layer_skip_draft(target: Any, keep: list[int], num_slots: int, max_len: int)
 
 
 class LocalBench:
-    """One target runner shared by an engine per mode (draft: none, ngram, model)."""
+    """One target runner shared by an engine per mode, all wired by build_local_engine."""
 
     def __init__(self, config: Any, args: argparse.Namespace) -> None:
         from pipeline.models.runners import build_runner
@@ -356,28 +378,17 @@ class LocalBench:
 
     def _build(self, mode: str) -> Any:
         from pipeline.draft.model import DraftModelProposer
-        from pipeline.engine.core import EngineCore
-        from pipeline.engine.local import make_output_processor
-        from pipeline.tokenizer import eos_token_ids
-        from pipeline.verify.verifier import Verifier
+        from pipeline.engine.local import build_local_engine
 
-        k = {"none": 0, "ngram": self.args.ngram_k}.get(mode, self.args.k)
-        # The draft model is built here (layer skip), so the config only names a placeholder.
-        cfg = self.config.replace(draft=mode, num_speculative_tokens=k,
-                                  draft_model="layer-skip" if mode == "model" else None)
-        if mode == "model":
+        cfg = mode_config(self.config, mode, self.args.k)
+        proposer = None
+        if mode == "model":  # the draft model is built here (layer skip)
             if self.draft_runner is None:
                 self.draft_runner = layer_skip_draft(self.target, self.draft_layers,
                                                      cfg.num_slots, cfg.max_model_len)
                 self.clock.wrap_forward(self.draft_runner, "draft_forward")
-            proposer: Any = DraftModelProposer(self.draft_runner)
-        else:
-            from pipeline.draft.step import build_proposer
-
-            proposer = build_proposer(cfg)
-        output = make_output_processor(self.tokenizer, eos_token_ids(self.tokenizer))
-        stages = timed_stages(self.clock, proposer, Verifier(self.target), output)
-        return EngineCore(cfg, stages, self.target.vocab_size)
+            proposer = DraftModelProposer(self.draft_runner)
+        return build_local_engine(cfg, self.target, proposer, timed_stages(self.clock))
 
     def run_wave(self, mode: str, wave: list[Request], params: Any) -> Segment:
         core = self.core(mode)
@@ -390,22 +401,69 @@ class LocalBench:
                        self.clock.times)
 
 
+def mode_config(config: Any, mode: str, k: int) -> Any:
+    """The engine config of a mode: `k` is the adaptive modes' most drafts per step."""
+    if mode == "none":
+        return config.replace(draft="none", num_speculative_tokens=0)
+    if mode == "model":  # the bench builds the draft itself; the name is a placeholder
+        return config.replace(draft="model", draft_model="layer-skip", num_speculative_tokens=k,
+                              speculation="adaptive")
+    if mode == "adaptive":
+        return config.replace(draft="ngram", num_speculative_tokens=k, speculation="adaptive")
+    return config.replace(draft="ngram", num_speculative_tokens=FIXED_K[mode],
+                          speculation="fixed")
+
+
+def reference_outputs(runner: Any, prompts: dict[str, list[int]], max_tokens: int,
+                      eos: list[int]) -> dict[str, list[int]]:
+    """Target-only greedy output of each prompt, one request at a time, one token per forward,
+    stopping after an EOS id like the engine: the yardstick every greedy mode must equal. Kept
+    apart from the engine loop on purpose (and from tests/reference_decode.py, which is
+    test-only): two independent decoders that agree are the evidence."""
+    out = {}
+    for key, ids in prompts.items():
+        slot = runner.allocate()
+        try:
+            logits = runner.forward([slot], [list(ids)], last_only=True)[0]
+            toks = [int(logits[-1].argmax())]
+            while len(toks) < max_tokens and toks[-1] not in eos:
+                logits = runner.forward([slot], [[toks[-1]]])[0]
+                toks.append(int(logits[-1].argmax()))
+        finally:
+            runner.free(slot)
+        out[key] = toks
+    return out
+
+
+def process_tree_cpu_s() -> float:
+    """CPU seconds of this process and all its descendants (a local Ray cluster's raylet, GCS and
+    actor workers are the driver's descendants); processes gone meanwhile are not counted."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
 def run_ray(bench: LocalBench, config: Any, mode: str, workload: str, batches: list[int],
-            requests_for: Callable[[str, int], list[Request]], params: Any,
-            k: int) -> list[RunResult]:
-    """The same runs through `start_engine` (one engine for all batch sizes), each wave
-    interleaved with the in-process engine's run of the same wave for a fair ratio."""
+            requests_for: Callable[[str, int, int], list[Request]], params: Any, reps: int,
+            cores: int) -> list[RunResult]:
+    """The same runs through `start_engine` on a Ray cluster of its own with `cores` CPUs, each
+    wave interleaved with the in-process engine's run of the same wave. CPU time is the whole
+    process tree's (driver, raylet, GCS, actors)."""
     import ray
 
     from actors.engine import start_engine, stop_engine
     from actors.engine_client import EngineClient
 
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(num_cpus=max(2, config.tensor_parallel_size + 1), include_dashboard=False,
-                 log_to_driver=False)
-    cfg = config.replace(draft=mode, num_speculative_tokens=k if mode != "none" else 0)
-    handle = start_engine(cfg)
+    ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
+    handle = start_engine(mode_config(config, mode, bench.args.k))
     client = EngineClient(handle)
     results = []
 
@@ -416,39 +474,45 @@ def run_ray(bench: LocalBench, config: Any, mode: str, workload: str, batches: l
         return list(traces)
 
     try:
-        asyncio.run(go("warm", requests_for(workload, 1)[:1]))  # first forwards, actor paths
+        asyncio.run(go("warm", requests_for(workload, 1, 0)[:1]))  # first forwards, actor paths
         for batch in batches:
-            ray_segs, local_segs = [], []
-            for i, wave in enumerate(waves(requests_for(workload, batch), batch)):
-                local_segs.append(bench.run_wave(mode, wave, params))
-                before = snapshot(ray.get(handle.stats.remote()))
-                t0 = time.perf_counter()
-                traces = asyncio.run(go(f"ray{batch}.{i}", wave))
-                wall = time.perf_counter() - t0
-                spec = stats_delta(before, snapshot(ray.get(handle.stats.remote())))
-                ray_segs.append(Segment(traces, wall, 0.0, spec))
-            res = merge("ray", mode, workload, batch, ray_segs)
-            local = merge("local", mode, workload, batch, local_segs)
-            res.tokens_per_cpu_s = 0.0  # the work runs in the actors' processes
+            ray_reps, local_reps = [], []
+            for rep in range(reps):
+                ray_segs, local_segs = [], []
+                for i, wave in enumerate(waves(requests_for(workload, batch, rep), batch)):
+                    local_segs.append(bench.run_wave(mode, wave, params))
+                    before = snapshot(ray.get(handle.stats.remote()))
+                    t0, c0 = time.perf_counter(), process_tree_cpu_s()
+                    traces = asyncio.run(go(f"ray{batch}.{i}", wave))
+                    wall, cpu = time.perf_counter() - t0, process_tree_cpu_s() - c0
+                    spec = stats_delta(before, snapshot(ray.get(handle.stats.remote())))
+                    ray_segs.append(Segment(traces, wall, cpu, spec))
+                ray_reps.append(ray_segs)
+                local_reps.append(local_segs)
+            res = merge("ray", mode, workload, batch, ray_reps)
+            local = merge("local", mode, workload, batch, local_reps)
+            res.cores = cores
             res.breakdown_ms = {"step": res.wall_s * 1e3 / max(res.steps, 1)}
             res.ray_vs_local = {"local_tokens_per_s": local.tokens_per_s,
+                                "local_tokens_per_cpu_s": local.tokens_per_cpu_s,
                                 "local_step_ms": local.breakdown_ms["step"],
                                 "ray_overhead_ms_per_step":
                                     res.breakdown_ms["step"] - local.breakdown_ms["step"]}
             results.append(res)
     finally:
         stop_engine(handle)
-        if owns:
-            ray.shutdown()
+        ray.shutdown()
     return results
 
 
-def hf_wave(hf: Any, mode: str, wave: list[Request], max_tokens: int, k: int,
+def hf_wave(hf: Any, mode: str, wave: list[Request], max_tokens: int, k: int, max_ngram: int,
             eos: list[int]) -> Segment:
-    """HF `generate`, batch 1: plain (`hf`) or with prompt lookup (`hf-pld`)."""
+    """HF `generate`, batch 1: plain (`hf`) or with prompt lookup (`hf-pld`: k drafts, matching
+    n-grams up to `max_ngram` long, as our n-gram drafter)."""
     import torch
 
-    extra = {"prompt_lookup_num_tokens": k} if mode == "hf-pld" else {}
+    extra = ({"prompt_lookup_num_tokens": k, "max_matching_ngram_size": max_ngram}
+             if mode == "hf-pld" else {})
     traces = []
     t0, c0 = time.perf_counter(), time.process_time()
     for r in wave:
@@ -472,115 +536,114 @@ def load_hf(model_path: str) -> Any:
 
 
 # --- checks, report -----------------------------------------------------------------------
-def first_difference(results: list[RunResult]) -> str | None:
-    """Greedy outputs of every engine run of one (workload, batch) must be identical."""
-    groups: dict[tuple[str, int], list[RunResult]] = {}
+def prompt_key(rid: str) -> str:
+    """The workload prompt a request ran (rids are `<prompt id>#<i>.<rep>`)."""
+    return rid.split("#", 1)[0]
+
+
+def reference_mismatches(results: list[RunResult],
+                         reference: dict[str, dict[str, list[int]]]) -> list[str]:
+    """Every greedy engine output that differs from the reference, described."""
+    out = []
     for r in results:
-        if r.engine != "hf":
-            groups.setdefault((r.workload, r.batch), []).append(r)
-    for (workload, batch), runs in groups.items():
-        ref = runs[0]
-        for other in runs[1:]:
-            for rid, want in ref.outputs.items():
-                got = other.outputs.get(rid)
-                if got == want:
-                    continue
-                got = got or []
-                pos = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b),
-                           min(len(want), len(got)))
-                return (f"{workload} batch {batch} request {rid}: {ref.engine}/{ref.mode} and "
-                        f"{other.engine}/{other.mode} differ at output token {pos}: "
-                        f"{want[pos:pos + 5]} vs {got[pos:pos + 5]} "
-                        f"(lengths {len(want)} vs {len(got)})")
-    return None
+        if r.engine == "hf":
+            continue
+        ref = reference.get(r.workload, {})
+        for rid, got in r.outputs.items():
+            want = ref.get(prompt_key(rid))
+            if want is None or got == want:
+                continue
+            pos = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b),
+                       min(len(want), len(got)))
+            out.append(f"{r.workload} batch {r.batch} {r.engine}/{r.mode} {rid}: differs at "
+                       f"token {pos}: {want[pos:pos + 5]} vs {got[pos:pos + 5]} "
+                       f"(lengths {len(want)} vs {len(got)})")
+    return out
 
 
-def hf_agreement(results: list[RunResult]) -> dict[str, float]:
-    """Share of requests where HF's greedy output equals ours (a numerics check, not a gate)."""
+def hf_agreement(results: list[RunResult],
+                 reference: dict[str, dict[str, list[int]]]) -> dict[str, float]:
+    """Share of HF requests whose greedy output equals the reference (numerics, not a gate)."""
     out = {}
     for r in results:
-        if r.mode != "hf":
-            continue
-        ours = next((o for o in results if o.engine == "local" and o.mode == "none"
-                     and o.workload == r.workload and o.batch == 1), None)
-        if ours is not None:
-            same = sum(ours.outputs.get(rid) == toks for rid, toks in r.outputs.items())
-            out[r.workload] = same / max(len(r.outputs), 1)
+        if r.engine == "hf" and r.outputs:
+            ref = reference.get(r.workload, {})
+            same = sum(ref.get(prompt_key(rid)) == toks for rid, toks in r.outputs.items())
+            out[f"{r.mode}/{r.workload}"] = same / len(r.outputs)
     return out
 
 
 def targets(results: list[RunResult]) -> dict[str, Any]:
-    """The issue's four targets as ratios, on wall time and on this process's CPU time."""
-
-    def get(engine: str, mode: str, workload: str, batch: int) -> RunResult | None:
-        return next((r for r in results if (r.engine, r.mode, r.workload, r.batch)
-                     == (engine, mode, workload, batch)), None)
-
-    def ratio(a: RunResult | None, b: RunResult | None) -> dict[str, float] | None:
-        if a is None or b is None:
-            return None
-        return {"wall": a.tokens_per_s / b.tokens_per_s,
-                "cpu": a.tokens_per_cpu_s / max(b.tokens_per_cpu_s, 1e-9)}
-
-    workloads = list(dict.fromkeys(r.workload for r in results))
-    return {
-        "ngram_b1_copy_vs_none (>= 1.8)": ratio(get("local", "ngram", "copy", 1),
-                                                get("local", "none", "copy", 1)),
-        "none_b1_vs_hf (>= 1)": {w: ratio(get("local", "none", w, 1), get("hf", "hf", w, 1))
-                                 for w in workloads},
-        "b8_vs_b1 (>= 4)": {f"{m}/{w}": ratio(get("local", m, w, 8), get("local", m, w, 1))
-                            for m in MODES for w in workloads if get("local", m, w, 8)},
-        "outside_forward_b8 (<= 0.15)": {f"{r.mode}/{r.workload}": r.outside_forward_frac
-                                         for r in results
-                                         if r.engine == "local" and r.batch == 8},
-    }
+    """The issue's targets per cell (workload, batch), on median tok/s."""
+    by = {(r.engine, r.mode, r.workload, r.batch): r for r in results}
+    cells = sorted({(r.workload, r.batch) for r in results if r.engine == "local"})
+    out: dict[str, Any] = {}
+    for w, b in cells:
+        ad, none = by.get(("local", "adaptive", w, b)), by.get(("local", "none", w, b))
+        fixed = {m: by[("local", m, w, b)] for m in FIXED_K if ("local", m, w, b) in by}
+        if ad is None:
+            continue
+        cell: dict[str, Any] = {}
+        if none is not None:
+            cell["adaptive_vs_none (>= 0.97)"] = ad.tokens_per_s / none.tokens_per_s
+        if fixed:
+            best = max(fixed.values(), key=lambda r: r.tokens_per_s)
+            cell["best_fixed"] = best.mode
+            cell["adaptive_vs_best_fixed (>= 0.97)"] = ad.tokens_per_s / best.tokens_per_s
+            cell["beats_every_fixed"] = all(ad.tokens_per_s > r.tokens_per_s
+                                            for r in fixed.values())
+        out[f"{w}/b{b}"] = cell
+    copy1 = out.get("copy/b1", {}).get("adaptive_vs_none (>= 0.97)")
+    out["copy_b1_adaptive_vs_none (>= 1.8)"] = copy1
+    out["mix_b8_beats_every_fixed"] = out.get("mix/b8", {}).get("beats_every_fixed")
+    return out
 
 
 def table(results: list[RunResult]) -> str:
-    head = ("| engine | mode | workload | batch | tok/s | tok/cpu-s | req/s | TTFT p50/p99 ms | "
-            "ITL p50/p99 ms | acc. len | acc. rate | step ms | outside fwd |")
+    head = ("| engine | mode | workload | batch | tok/s median | spread | tok/cpu-s | "
+            "TTFT p50 ms | ITL p50 ms | tok/verify | acc. rate | step ms |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
 
     def f(v: float | None, fmt: str = "{:.1f}") -> str:
         return "-" if v is None else fmt.format(v)
 
     for r in results:
+        engine = r.engine if r.cores is None else f"{r.engine} ({r.cores} cores)"
         lines.append(
-            f"| {r.engine} | {r.mode} | {r.workload} | {r.batch} | {r.tokens_per_s:.1f} | "
-            f"{f(r.tokens_per_cpu_s or None)} | "
-            f"{r.requests_per_s:.2f} | {f(r.ttft_p50_ms, '{:.0f}')}/{f(r.ttft_p99_ms, '{:.0f}')}"
-            f" | {f(r.itl_p50_ms, '{:.0f}')}/{f(r.itl_p99_ms, '{:.0f}')} | "
+            f"| {engine} | {r.mode} | {r.workload} | {r.batch} | {r.tokens_per_s:.1f} | "
+            f"{f(r.spread, '{:.0%}')} | {f(r.tokens_per_cpu_s or None)} | "
+            f"{f(r.ttft_p50_ms, '{:.0f}')} | {f(r.itl_p50_ms, '{:.0f}')} | "
             f"{f(r.mean_accepted_len, '{:.2f}')} | {f(r.acceptance_rate, '{:.2f}')} | "
-            f"{f(r.breakdown_ms.get('step'), '{:.0f}')} | "
-            f"{f(r.outside_forward_frac, '{:.0%}')} |")
+            f"{f(r.breakdown_ms.get('step'), '{:.0f}')} |")
     return "\n".join(lines)
 
 
 # --- main ---------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="specrelay bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bench_engine.py", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "smollm2-cpu.yaml"))
     p.add_argument("--model", default=None, help="override the config's model (e.g. tiny:0)")
-    p.add_argument("--plan", nargs="+", default=["copy:1,8", "chat:1,8", "mix:8,32"],
+    p.add_argument("--plan", nargs="+", default=["copy:1,8,32", "chat:1,8,32", "mix:1,8,32"],
                    help="workload:batch,batch... (a file in scripts/workloads or a .jsonl)")
-    p.add_argument("--model-max-batch", type=int, default=8,
-                   help="largest batch the (slow, stand-in) model draft runs at")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--requests-b1", type=int, default=2,
-                   help="requests per batch-1 run (batch b > 1 runs b requests)")
+    p.add_argument("--modes", nargs="+", default=["none", "adaptive", "k2", "k4", "k8"],
+                   choices=MODES)
+    p.add_argument("--reps", type=int, default=3, help="repetitions per cell (median, spread)")
+    p.add_argument("--requests-b1", type=int, default=1,
+                   help="requests per batch-1 wave set (batch b > 1 runs b requests)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--k", type=int, default=4, help="speculative tokens per step")
-    p.add_argument("--ngram-k", type=int, default=None,
-                   help="speculative tokens for n-gram drafting and HF prompt lookup (--k)")
+    p.add_argument("--k", type=int, default=8,
+                   help="most drafts per step of the adaptive modes")
+    p.add_argument("--hf-k", type=int, default=4, help="drafts per step of HF prompt lookup")
     p.add_argument("--draft-layers", default="auto",
                    help="target layers the stand-in draft keeps, e.g. 0-7,28-29")
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampling (no check)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: see docs/benchmarks.md on oversubscription)")
     p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--ray-batches", type=int, nargs="*", default=[1, 8])
-    p.add_argument("--ray-mode", default="ngram", choices=MODES[:2])
+    p.add_argument("--ray-batches", type=int, nargs="*", default=[])
+    p.add_argument("--ray-mode", default="adaptive", choices=MODES[:5])
     p.add_argument("--ray-workload", default="copy")
+    p.add_argument("--ray-cores", type=int, default=2, help="CPUs given to the Ray cluster")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
@@ -590,8 +653,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.plan_batches[name] = [int(b) for b in batches.split(",")]
     args.batches = sorted({b for bs in args.plan_batches.values() for b in bs})
     args.workloads = list(args.plan_batches)
-    if args.ngram_k is None:
-        args.ngram_k = args.k
     return args
 
 
@@ -615,14 +676,15 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     bench = LocalBench(config, args)
     tok = bench.tokenizer
+    eos = eos_token_ids(tok)
     workloads = {w: [Request(p.id, encode_prompt(tok, p.text)) for p in load_workload(w)]
                  for w in args.workloads}
 
-    def requests_for(w: str, batch: int) -> list[Request]:
+    def requests_for(w: str, batch: int, rep: int) -> list[Request]:
         n = args.requests_b1 if batch == 1 else batch
         reqs = workloads[w]
-        return [Request(f"{reqs[i % len(reqs)].rid}#{i}", reqs[i % len(reqs)].ids)
-                for i in range(n)]
+        return [Request(f"{reqs[(i + rep * n) % len(reqs)].rid}#{i}.{rep}",
+                        reqs[(i + rep * n) % len(reqs)].ids) for i in range(n)]
 
     warm = [Request("warm", workloads[args.workloads[0]][0].ids)]
     warm_params = dataclasses.replace(params, max_new_tokens=4)
@@ -632,48 +694,62 @@ def main(argv: list[str] | None = None) -> int:
     hf_model = None
     if not args.no_hf and model_path is not None and 1 in args.batches:
         hf_model = load_hf(model_path)
-        hf_wave(hf_model, "hf", warm, 4, args.k, [0])
-    eos = eos_token_ids(tok)
+        for mode in ("hf", "hf-pld"):  # both paths warmed before anything is timed
+            hf_wave(hf_model, mode, warm, 8, args.hf_k, config.ngram_max_n, eos)
     results: list[RunResult] = []
     for w in args.workloads:
         for batch in args.batches:
             if batch not in args.plan_batches[w]:
                 continue
-            modes: list[tuple[str, str]] = [("local", m) for m in args.modes
-                                            if m != "model" or batch <= args.model_max_batch]
+            modes: list[tuple[str, str]] = [("local", m) for m in args.modes]
             if batch == 1 and hf_model is not None:
                 modes += [("hf", "hf"), ("hf", "hf-pld")]
-            segs: dict[tuple[str, str], list[Segment]] = {m: [] for m in modes}
-            # Waves interleaved across modes: machine noise hits every mode alike.
-            for wave in waves(requests_for(w, batch), batch):
-                for engine, mode in modes:
-                    segs[(engine, mode)].append(
-                        bench.run_wave(mode, wave, params) if engine == "local"
-                        else hf_wave(hf_model, mode, wave, args.max_tokens, args.ngram_k, eos))
-            for (engine, mode), ss in segs.items():
-                res = merge(engine, mode, w, batch, ss)
+            reps: dict[tuple[str, str], list[list[Segment]]] = {m: [] for m in modes}
+            for rep in range(args.reps):
+                # Waves interleaved across modes, the order rotated per repetition: machine
+                # noise and cache warmth hit every mode alike.
+                order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+                for m in modes:
+                    reps[m].append([])
+                for wave in waves(requests_for(w, batch, rep), batch):
+                    for engine, mode in order:
+                        reps[(engine, mode)][-1].append(
+                            bench.run_wave(mode, wave, params) if engine == "local"
+                            else hf_wave(hf_model, mode, wave, args.max_tokens, args.hf_k,
+                                         config.ngram_max_n, eos))
+            for (engine, mode), rs in reps.items():
+                res = merge(engine, mode, w, batch, rs)
                 results.append(res)
-                print(f"[{time.perf_counter() - t_start:6.0f}s] {engine:5s} {mode:6s} {w:5s} "
-                      f"b={batch:2d}: {res.tokens_per_s:7.1f} tok/s "
-                      f"({res.tokens_per_cpu_s:6.1f}/cpu-s), acc.len "
-                      f"{res.mean_accepted_len or 0:.2f}, step "
-                      f"{res.breakdown_ms.get('step', 0):.0f} ms, outside fwd "
-                      f"{res.outside_forward_frac or 0:.0%}", flush=True)
+                print(f"[{time.perf_counter() - t_start:6.0f}s] {engine:5s} {mode:8s} {w:5s} "
+                      f"b={batch:2d}: {res.tokens_per_s:7.1f} tok/s (reps "
+                      f"{', '.join(f'{x:.1f}' for x in res.rep_tokens_per_s)}), tok/verify "
+                      f"{res.mean_accepted_len or 0:.2f}", flush=True)
     if args.ray_batches and args.ray_workload in workloads:
         for res in run_ray(bench, config, args.ray_mode, args.ray_workload, args.ray_batches,
-                           requests_for, params, args.ngram_k):
+                           requests_for, params, args.reps, args.ray_cores):
             results.append(res)
-            print(f"[{time.perf_counter() - t_start:6.0f}s] ray   {args.ray_mode:5s} "
-                  f"{args.ray_workload:5s} b={res.batch:2d}: {res.tokens_per_s:7.1f} tok/s, "
-                  f"step {res.breakdown_ms['step']:.0f} ms vs local "
-                  f"{res.ray_vs_local['local_step_ms']:.0f} ms", flush=True)
-    diff = first_difference(results) if args.temperature == 0 else None
+            print(f"[{time.perf_counter() - t_start:6.0f}s] ray ({res.cores} cores) "
+                  f"{args.ray_mode} {args.ray_workload} b={res.batch}: "
+                  f"{res.tokens_per_s:.1f} tok/s, {res.tokens_per_cpu_s:.1f} tok/cpu-s", flush=True)
+    reference: dict[str, dict[str, list[int]]] = {}
+    mismatches: list[str] = []
+    if args.temperature == 0:
+        for w in args.workloads:
+            reference[w] = reference_outputs(bench.target, {r.rid: r.ids for r in workloads[w]},
+                                             args.max_tokens, eos)
+        mismatches = reference_mismatches(results, reference)
+    violations = [f"{r.engine}/{r.mode} {r.workload} b{r.batch} {v}"
+                  for r in results for v in r.stats_violations]
     report = {
         "meta": meta(args, config, time.perf_counter() - t_start),
         "targets": targets(results),
-        "hf_agreement": hf_agreement(results),
-        "identical_greedy_outputs": diff is None if args.temperature == 0 else None,
-        "first_difference": diff,
+        "hf_agreement": hf_agreement(results, reference),
+        "greedy_equals_reference": not mismatches if args.temperature == 0 else None,
+        "reference_mismatches": mismatches[:20],
+        "num_reference_mismatches": len(mismatches),
+        "stats_identity_holds": not violations,
+        "stats_violations": violations[:20],
+        "requests_checked": sum(r.requests for r in results if r.engine != "hf"),
         "runs": [dataclasses.asdict(r) for r in results],
     }
     os.makedirs(args.out, exist_ok=True)
@@ -689,23 +765,28 @@ def main(argv: list[str] | None = None) -> int:
 
         for path in write_plots(report, args.out):
             print(f"wrote {path}")
-    if diff is not None:
-        print(f"greedy outputs differ: {diff}", file=sys.stderr)
-        return 1
-    return 0
+    failed = mismatches[:1] + violations[:1]
+    for line in failed:
+        print(f"check failed: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def meta(args: argparse.Namespace, config: Any, elapsed: float) -> dict[str, Any]:
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
-    except OSError:
-        commit = ""
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=ROOT,
+                                  check=False).stdout.strip()
+        except OSError:
+            return ""
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
     return {"args": vars(args), "model": config.model, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "loadavg": os.getloadavg(), "platform": platform.platform(), "commit": commit,
+            "loadavg": os.getloadavg(), "platform": platform.platform(),
+            "commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(dirty),
+            "dirty_files": dirty.splitlines(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "elapsed_s": elapsed}
 
 

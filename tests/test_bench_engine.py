@@ -19,15 +19,35 @@ def _bench_module():
     return module
 
 
-def test_bench_runs_every_mode_and_greedy_outputs_agree(tmp_path):
+def test_bench_runs_every_mode_interleaved_and_checks_outputs_and_statistics(tmp_path):
     bench = _bench_module()
     rc = bench.main(["--model", "tiny:0", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
-                     "--plan", "copy:1,2", "--max-tokens", "6", "--ray-batches", "--no-hf",
+                     "--plan", "copy:1,2", "--max-tokens", "6", "--reps", "2", "--no-hf",
                      "--no-plots", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "results.json").read_text())
-    assert rc == 0 and report["identical_greedy_outputs"] is True
+    assert rc == 0
+    assert report["greedy_equals_reference"] is True and report["num_reference_mismatches"] == 0
+    assert report["stats_identity_holds"] is True and report["requests_checked"] == 5 * 2 * 3
+    assert isinstance(report["meta"]["dirty"], bool) and report["meta"]["commit"]
     runs = {(r["mode"], r["batch"]) for r in report["runs"]}
-    assert runs == {(m, b) for m in ("none", "ngram", "model") for b in (1, 2)}
+    assert runs == {(m, b) for m in ("none", "adaptive", "k2", "k4", "k8") for b in (1, 2)}
     for r in report["runs"]:
+        assert len(r["rep_tokens_per_s"]) == 2 and r["spread"] is not None
         assert r["output_tokens"] > 0 and r["tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0
         assert set(r["breakdown_ms"]) >= {"draft_forward", "verify_forward", "output", "other"}
+    assert "adaptive_vs_best_fixed (>= 0.97)" in report["targets"]["copy/b2"]
+
+
+def test_a_greedy_output_that_differs_from_the_reference_fails_the_run(tmp_path, monkeypatch):
+    bench = _bench_module()
+    real = bench.reference_outputs
+
+    def shifted(*args, **kwargs):
+        return {k: [t + 1 for t in v] for k, v in real(*args, **kwargs).items()}
+
+    monkeypatch.setattr(bench, "reference_outputs", shifted)
+    rc = bench.main(["--model", "tiny:0", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
+                     "--plan", "copy:1", "--modes", "none", "--max-tokens", "4", "--reps", "1",
+                     "--no-hf", "--no-plots", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 1 and report["greedy_equals_reference"] is False

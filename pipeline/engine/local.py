@@ -51,9 +51,12 @@ def make_output_processor(tokenizer: Any, eos_token_ids: list[int]) -> Any:
     return OutputProcessor(tokenizer, eos_token_ids)
 
 
-def build_local_engine(config: EngineConfig, runner: Any = None) -> EngineCore:
-    """An EngineCore over in-process stages (tensor_parallel_size must be 1). `runner` reuses a
-    loaded target (its slots must be free; engines sharing it must not run at the same time)."""
+def build_local_engine(config: EngineConfig, runner: Any = None, proposer: Proposer | None = None,
+                       stages_type: type[LocalStages] = LocalStages) -> EngineCore:
+    """An EngineCore over in-process stages (tensor_parallel_size must be 1), the one wiring of
+    the in-process engine (tests, benchmarks). `runner` reuses a loaded target (its slots must be
+    free; engines sharing it must not run at the same time); `proposer` replaces the one the
+    config names; `stages_type` a LocalStages subclass (a benchmark's timed stages)."""
     from pipeline.models.runners import build_runner
 
     if config.tensor_parallel_size != 1:
@@ -62,7 +65,7 @@ def build_local_engine(config: EngineConfig, runner: Any = None) -> EngineCore:
     from pipeline.tokenizer import eos_token_ids
 
     output = make_output_processor(runner.tokenizer, eos_token_ids(runner.tokenizer))
-    stages = LocalStages(build_proposer(config), Verifier(runner), output)
+    stages = stages_type(proposer or build_proposer(config), Verifier(runner), output)
     return EngineCore(config, stages, runner.vocab_size)
 
 
