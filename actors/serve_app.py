@@ -158,6 +158,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-choices", type=int, default=64,
+                   help="prompts x n per request (400 above; the engine admits them fairly)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--address", default=None,
                    help="Ray cluster to join (default: RAY_ADDRESS, else start a local one)")
@@ -188,6 +190,7 @@ def serve_main(argv: list[str]) -> int:
     app_args: dict[str, Any] = {
         "config": os.path.abspath(args.config) if args.config else None,
         "request_timeout_s": args.request_timeout, "max_body_bytes": args.max_body_bytes,
+        "max_choices_per_request": args.max_choices,
         # "" disables the key explicitly, so a replica never falls back to its own env.
         "api_key": args.api_key or "", "drain_grace_s": args.drain_grace,
     }

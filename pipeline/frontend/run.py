@@ -39,8 +39,10 @@ class EngineRun:
     """The engine requests of one HTTP request, one per choice, merged into one event queue.
     Counted in `inflight` from creation until `close`."""
 
-    def __init__(self, engine: Any, span: Any, inflight: InflightCount) -> None:
+    def __init__(self, engine: Any, span: Any, inflight: InflightCount,
+                 group: str | None = None) -> None:
         self.engine = engine
+        self.group = group  # the HTTP request's id: its choices are admitted fairly as one
         self.inflight = inflight
         inflight.value += 1
         self.closed = False
@@ -58,7 +60,7 @@ class EngineRun:
             self._pump(index, rid, prompt_ids, params)))
 
     async def _pump(self, index: int, rid: str, ids: list[int], params: SamplingParams) -> None:
-        agen = self.engine.generate(rid, ids, params, self.traceparent)
+        agen = self.engine.generate(rid, ids, params, self.traceparent, group=self.group)
         try:
             async for out in agen:
                 self.queue.put_nowait(ChoiceEvent(index, output=out))

@@ -18,6 +18,8 @@ class ServerSettings:
     retry_after_s: int = 1
     health_timeout_s: float = 2.0
     stats_timeout_s: float = 2.0
+    # prompts x n of one request (engine requests it becomes); the engine admits them fairly
+    max_choices_per_request: int = 64
 
     def resolved_api_key(self) -> str | None:
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)
