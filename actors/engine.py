@@ -177,6 +177,7 @@ class Engine:
 
     async def _build(self) -> None:
         self.actors = await create_stage_actors(self.config, self._set_build_phase)
+        self.build_phase = ""
         self.stages = RayStages(self.actors)
         core = EngineCore(self.config, self.stages, self.actors.info["vocab_size"], self.tracer)
         self.core = core
@@ -188,6 +189,7 @@ class Engine:
     def _on_loop_end(self, core: EngineCore) -> None:
         # Also after core.fail() (a failed health ping or registration) cancelled the loop.
         if core is self.core and core.dead_reason is not None and self._rebuilding is None:
+            self.build_phase = "stopping the failed stage actors"
             self._rebuilding = asyncio.get_running_loop().create_task(self._rebuild())
 
     async def _rebuild(self) -> None:
