@@ -25,7 +25,13 @@ from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.frontend import requests as reqs
-from pipeline.frontend.errors import APIError, error_for, error_response
+from pipeline.frontend.errors import (
+    APIError,
+    HealthReasons,
+    client_text,
+    error_for,
+    error_response,
+)
 from pipeline.frontend.guard import ROUTES, Guard, too_large
 from pipeline.frontend.metrics import CONTENT_TYPE, ServerMetrics
 from pipeline.frontend.openapi import openapi_schema
@@ -86,6 +92,7 @@ class Server:
         self.metrics = ServerMetrics(settings.model_name or "")
         self.inflight = InflightCount()  # HTTP generation requests not yet closed
         self.draining = False
+        self.health_reasons = HealthReasons()
 
     async def drain(self, timeout: float) -> int:
         """Refuse new generation requests (503) and fail /health; wait up to `timeout` seconds
@@ -106,7 +113,7 @@ class Server:
     @staticmethod
     def check_model(info: ModelInfo, model: str | None) -> None:
         if model is not None and model not in info.names:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+            raise APIError(404, f"The model `{client_text(model)}` does not exist.", param="model",
                            code="model_not_found")
 
     # --------------------------------------------------------------- completions / chat
@@ -132,6 +139,11 @@ class Server:
     def _jobs(self, req: AnyRequest, prompts: list[list[int]], info: ModelInfo,
               ) -> list[ChoiceJob]:
         """One job per choice: choices of prompt p are p*n .. p*n+n-1 (OpenAI's order)."""
+        cap = self.settings.max_choices_per_request
+        if len(prompts) * req.n > cap:  # each choice takes a queue place and a slot
+            raise APIError(400, f"prompt, n: {len(prompts)} prompt(s) x n={req.n} is "
+                           f"{len(prompts) * req.n} choices; at most {cap} per request",
+                           param="n", code="too_many_choices")
         jobs = []
         for p, ids in enumerate(prompts):
             for j in range(req.n):
@@ -180,7 +192,7 @@ class Server:
             f"{request.method} {request.url.path}", kind=SpanKind.SERVER,
             context=context_from_traceparent(request.headers.get("traceparent")),
             attributes={"http.request.method": request.method, "url.path": request.url.path})
-        run = EngineRun(self.engine, span, self.inflight)
+        run = EngineRun(self.engine, span, self.inflight, group=rid)
         for job in jobs:
             run.start(f"{rid}-{job.index}", job.prompt_ids, job.params)
         run.watch_disconnect(request.receive)
@@ -203,7 +215,9 @@ class Server:
             h = {"healthy": False, "reason": "engine did not answer the health check in time"}
         except Exception as e:  # noqa: BLE001 - any failure to answer is unhealthy
             h = {"healthy": False, "reason": f"{type(e).__name__}: {e}"}
-        return JSONResponse(h, status_code=200 if h.get("healthy") else 503)
+        healthy = bool(h.get("healthy"))
+        body = {"healthy": healthy, "reason": self.health_reasons.short(str(h.get("reason", "")))}
+        return JSONResponse(body, status_code=200 if healthy else 503)
 
     async def metrics_text(self, request: Request) -> Response:
         await self.info()

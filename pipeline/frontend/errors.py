@@ -6,7 +6,10 @@ Every error the front end returns renders as `{"error": {"message", "type", "par
 
 from __future__ import annotations
 
+import json
+import logging
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from pipeline.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,8 +35,10 @@ class APIError(Exception):
         return self.message
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        # Messages and params may echo client input: escaped so every body encodes.
+        param = None if self.param is None else client_text(self.param, 200)
+        return {"error": {"message": client_text(self.message, 2000), "type": self.type,
+                          "param": param, "code": self.code}}
 
 
 class ClientGone(Exception):
@@ -76,27 +83,100 @@ def from_params_error(err: ValueError, renames: dict[str, str] | None = None) ->
     return bad_request(msg, param=param)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+ERROR_ID_PREFIX = "err_"
+
+
+def client_text(value: str, limit: int = 80) -> str:
+    """`value` safe to echo to a client: ANSI escapes removed, control characters and lone
+    surrogates written as \\uXXXX (so the body always encodes), at most `limit` characters."""
+    value = _ANSI.sub("", value)
+    cut = len(value) > limit
+    safe = _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", value[:limit])
+    return safe + ("..." if cut else "")
+
+
+def new_error_id() -> str:
+    return ERROR_ID_PREFIX + uuid.uuid4().hex[:16]
+
+
+def logged_error(status: int, message: str, exc: BaseException, *, code: str | None = None,
+                 type: str = "server_error") -> APIError:
+    """An error whose details (actor ids, pids, tracebacks) stay in the server log: the client
+    gets `message` and the id the log line carries."""
+    error_id = new_error_id()
+    trace = exc if status >= 500 and not isinstance(exc, EngineDeadError) else None
+    log.warning("error %s (HTTP %d): %s: %s", error_id, status, type_name(exc), exc,
+                exc_info=trace)
+    return APIError(status, f"{message} (error id: {error_id})", code=code, type=type)
+
+
+def type_name(exc: BaseException) -> str:
+    return type(exc).__name__
+
+
+def _from_ray(exc: BaseException) -> bool:
+    # Ray's wrappers (RayTaskError(ValueError) ...) render tracebacks, actor ids and pids.
+    return type(exc).__module__.split(".")[0] == "ray"
+
+
 def error_for(exc: BaseException) -> APIError:
-    """The HTTP error for an exception raised while serving a request."""
+    """The HTTP error for an exception raised while serving a request; engine-side details are
+    logged under an error id, never sent."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(429, f"server is overloaded, retry later: {exc}",
-                        type="rate_limit_error", code="engine_overloaded")
-    if isinstance(exc, RequestTimeoutError):
-        return APIError(408, f"request timed out: {exc}", type="timeout_error",
-                        code="request_timeout")
-    if isinstance(exc, ValueError):  # the engine refused the request itself (prompt ids ...)
-        return bad_request(str(exc))
     if isinstance(exc, ClientGone):
         return APIError(499, "client closed the request", code="client_closed_request")
+    if isinstance(exc, EngineOverloadedError):
+        return logged_error(429, "server is overloaded, retry later", exc,
+                            type="rate_limit_error", code="engine_overloaded")
+    if isinstance(exc, RequestTimeoutError):
+        return logged_error(408, "request timed out", exc, type="timeout_error",
+                            code="request_timeout")
+    if isinstance(exc, ValueError) and not _from_ray(exc):
+        # The engine refused the request itself (prompt ids ...): its message names the field.
+        return logged_error(400, f"the engine refused the request: {client_text(str(exc), 200)}",
+                            exc, type="invalid_request_error")
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"engine unavailable: {exc}", type="server_error",
-                        code="engine_unavailable")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return logged_error(503, "engine unavailable, retry later", exc,
+                            code="engine_unavailable")
+    return logged_error(500, "internal error", exc)
 
 
 def error_response(err: APIError, retry_after_s: int) -> JSONResponse:
-    retry = err.status_code == 429 or err.code == "server_shutting_down"
-    headers = {"Retry-After": str(retry_after_s)} if retry else None
-    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+    headers = {}
+    if err.status_code == 429 or err.code == "server_shutting_down":
+        headers["Retry-After"] = str(retry_after_s)
+    if err.status_code == 401:
+        headers["WWW-Authenticate"] = BEARER_CHALLENGE
+    return ASCIIJSONResponse(err.body(), status_code=err.status_code, headers=headers or None)
+
+
+BEARER_CHALLENGE = 'Bearer realm="specrelay"'  # RFC 6750: how to authenticate
+
+
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: encodes whatever string a body holds."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode("ascii")
+
+
+class HealthReasons:
+    """Short /health reasons (the route is unauthenticated): the engine's reason up to its first
+    colon; the full text is logged once under an error id, which the short reason carries."""
+
+    def __init__(self) -> None:
+        self.last_full = ""
+        self.last_id = ""
+
+    def short(self, reason: str) -> str:
+        head = reason.split(":", 1)[0].split("\n", 1)[0]
+        if head == reason and len(reason) <= 80:
+            return client_text(reason)
+        if reason != self.last_full:
+            self.last_full, self.last_id = reason, new_error_id()
+            log.warning("health %s: %s", self.last_id, reason)
+        return f"{client_text(head, 60)} (error id: {self.last_id})"

@@ -58,7 +58,13 @@ class Guard:
             return APIError(431, "request headers are too large",
                             code="request_header_fields_too_large")
         if self.key is not None and path not in UNAUTHENTICATED:
-            auth = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+            auths = [v for k, v in headers if k.lower() == b"authorization"]
+            if len(auths) > 1:
+                # Malformed (RFC 9110: not a list header), and proxies disagree on which copy
+                # counts: 400 without trying either, rather than a 401 inviting new credentials.
+                return bad_request("more than one Authorization header",
+                                   code="duplicate_authorization_header")
+            auth = auths[0] if auths else b""
             given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(given, self.key):
                 return APIError(401, "invalid or missing API key (Authorization: Bearer)",

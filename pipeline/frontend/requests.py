@@ -118,7 +118,45 @@ def _depth(obj: Any, level: int = 0) -> int:
     return level
 
 
+# OpenAI (and vLLM) parameters this server does not implement. Setting one to anything but null
+# is a 400 naming it: a client that asks for JSON or tool calls must not silently get free text.
+# (Other unknown keys are ignored, as vLLM does; `user`, `metadata`, `store`, `service_tier`,
+# `parallel_tool_calls` and `prompt_cache_key` do not change the output and are accepted.)
+_STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "structured_outputs")
+UNSUPPORTED_COMPLETION = (*_STRUCTURED, "tools", "tool_choice")
+UNSUPPORTED_CHAT = (*_STRUCTURED, "tools", "tool_choice", "functions", "function_call",
+                    "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity")
+UNSUPPORTED_MESSAGE = ("tool_calls", "function_call", "tool_call_id", "audio", "refusal")
+
+
+def reject_unsupported(data: dict[str, Any], names: tuple[str, ...]) -> None:
+    """400 naming the first unsupported parameter set in `data` (null counts as unset)."""
+    for name in names:
+        if data.get(name) is not None:
+            raise bad_request(f"{name}: is not supported by this server", param=name,
+                              code="unsupported_parameter")
+    modalities = data.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request("modalities: only [\"text\"] is supported", param="modalities",
+                          code="unsupported_parameter")
+
+
+def _reject_unsupported_in_messages(messages: Any) -> None:
+    if not isinstance(messages, list):
+        return  # validation names the problem
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        for name in UNSUPPORTED_MESSAGE:
+            if m.get(name) is not None:
+                param = f"messages[{i}].{name}"
+                raise bad_request(f"{param}: is not supported by this server", param=param,
+                                  code="unsupported_parameter")
+
+
 def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
+    reject_unsupported(data, UNSUPPORTED_COMPLETION)
     req = _validate(CompletionRequest, data)
     if req.echo:
         raise bad_request("echo is not supported", param="echo")
@@ -132,12 +170,16 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
 
 
 def parse_chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
+    reject_unsupported(data, UNSUPPORTED_CHAT)
+    _reject_unsupported_in_messages(data.get("messages"))
     req = _validate(ChatCompletionRequest, data)
     if not req.messages:
         raise bad_request("messages: must contain at least one message", param="messages")
     for i, m in enumerate(req.messages):
         for text in _message_texts(m):
             check_prompt_text(text, f"messages[{i}].content")
+        if m.name is not None:
+            check_prompt_text(m.name, f"messages[{i}].name")
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(
@@ -202,9 +244,16 @@ def _message_texts(m: ChatMessage) -> list[str]:
 
 
 def chat_messages_as_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the plain dicts chat templates expect (`developer` is a system message)."""
-    return [{"role": "system" if m.role == "developer" else m.role,
-             "content": "".join(_message_texts(m))} for m in req.messages]
+    """Messages as the plain dicts chat templates expect (`developer` is a system message;
+    a participant `name` is passed on for templates that use it)."""
+    out = []
+    for m in req.messages:
+        d = {"role": "system" if m.role == "developer" else m.role,
+             "content": "".join(_message_texts(m))}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
