@@ -1,11 +1,12 @@
 """Helpers for the reliability, fault and soak tests against a running Serve app: one HTTP
 request's outcome (one terminal event per choice), engine stats and stage-actor pids through the
-replica, process RSS."""
+replica, process RSS, a /health poller."""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,3 +141,42 @@ def deployment_rss(app_name: str) -> int:
     for pid in [pids["engine"], pids["draft"], pids["output"], *pids["verifiers"]]:
         total += psutil.Process(pid).memory_info().rss
     return total
+
+
+class HealthWatch:
+    """Polls /health every 50 ms in a thread until closed: every (time, status) it saw (0: no
+    answer), when it first saw 503, and the first 200 after that."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.stop = base, threading.Event()
+        self.samples: list[tuple[float, int]] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as c:
+            while not self.stop.is_set():
+                try:
+                    status = c.get(f"{self.base}/health").status_code
+                except httpx.HTTPError:
+                    status = 0
+                self.samples.append((time.monotonic(), status))
+                time.sleep(0.05)
+
+    @property
+    def first_503(self) -> float | None:
+        return next((t for t, s in self.samples if s == 503), None)
+
+    @property
+    def back_200(self) -> float | None:
+        first = self.first_503
+        if first is None:
+            return None
+        return next((t for t, s in self.samples if t > first and s == 200), None)
+
+    def statuses(self) -> list[int]:
+        return [s for _, s in self.samples]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
