@@ -280,3 +280,34 @@ def test_null_or_no_op_values_of_those_parameters_are_fine(extra):
     r = asyncio.run(call(app_for(), "POST", CHAT, {"messages": [MSG], "max_tokens": 2, **extra}))
     assert r.status_code == 200, r.text
 
+
+
+# --------------------------------------------------------------------------- Serve's proxy routes
+
+
+async def proxy_call(path: str, client_host: str, headers: list[tuple[str, str]]) -> int:
+    """Status of `path` through SystemRoutesGuard in front of a stand-in for Serve's proxy."""
+    from pipeline.frontend.proxy_guard import SystemRoutesGuard
+
+    async def proxy(scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"success"})
+
+    transport = httpx.ASGITransport(app=SystemRoutesGuard(proxy, api_key=KEY),
+                                    client=(client_host, 5000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        r = await c.get(path, headers=headers)
+    if r.status_code == 401:
+        assert r.headers["www-authenticate"].startswith("Bearer")
+    return r.status_code
+
+
+@pytest.mark.parametrize(("path", "client_host", "auth", "status"), [
+    ("/-/routes", "10.0.0.9", None, 401), ("/-/routes", "127.0.0.1", None, 401),
+    ("/-/routes", "10.0.0.9", f"Bearer {KEY}", 200), ("/-/healthz", "10.0.0.9", None, 401),
+    ("/-/healthz", "10.0.0.9", "Bearer wrong", 401), ("/-/healthz", "127.0.0.1", None, 200),
+    ("/-/healthz", "10.0.0.9", f"Bearer {KEY}", 200), ("/v1/models", "10.0.0.9", None, 200),
+])
+def test_serve_proxy_system_routes_are_behind_the_key(path, client_host, auth, status):
+    headers = [] if auth is None else [("authorization", auth)]
+    assert asyncio.run(proxy_call(path, client_host, headers)) == status

@@ -58,17 +58,9 @@ class Guard:
             return APIError(431, "request headers are too large",
                             code="request_header_fields_too_large")
         if self.key is not None and path not in UNAUTHENTICATED:
-            auths = [v for k, v in headers if k.lower() == b"authorization"]
-            if len(auths) > 1:
-                # Malformed (RFC 9110: not a list header), and proxies disagree on which copy
-                # counts: 400 without trying either, rather than a 401 inviting new credentials.
-                return bad_request("more than one Authorization header",
-                                   code="duplicate_authorization_header")
-            auth = auths[0] if auths else b""
-            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(given, self.key):
-                return APIError(401, "invalid or missing API key (Authorization: Bearer)",
-                                code="invalid_api_key")
+            refusal = key_refusal(headers, self.key)
+            if refusal is not None:
+                return refusal
         length = next((v for k, v in headers if k.lower() == b"content-length"), None)
         if length is not None:
             try:
@@ -78,3 +70,19 @@ class Guard:
             if too_big:
                 return too_large(self.settings)
         return None
+
+
+def key_refusal(headers: list[tuple[bytes, bytes]], key: bytes) -> APIError | None:
+    """Why these headers do not carry `Authorization: Bearer <key>`, or None."""
+    auths = [v for k, v in headers if k.lower() == b"authorization"]
+    if len(auths) > 1:
+        # Malformed (RFC 9110: not a list header), and proxies disagree on which copy counts:
+        # 400 without trying either, rather than a 401 inviting new credentials.
+        return bad_request("more than one Authorization header",
+                           code="duplicate_authorization_header")
+    auth = auths[0] if auths else b""
+    given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+    if not hmac.compare_digest(given, key):
+        return APIError(401, "invalid or missing API key (Authorization: Bearer)",
+                        code="invalid_api_key")
+    return None
