@@ -98,9 +98,11 @@ def copy_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     rows = [json.loads(line) for line in
             (REPO / "scripts" / "workloads" / "copy.jsonl").read_text().splitlines() if line]
     texts = [rows[i % len(rows)]["prompt"] for i in range(n)]
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}],
-                                               add_generation_prompt=True, tokenize=True))
-            for t in texts]
+    # Template to text, then encode: tokenize=True returns a dict in transformers 5, ids in 4.
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}],
+                                           add_generation_prompt=True, tokenize=False)
+             for t in texts]
+    return [list(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in chats]
 
 
 def engine_run(config: Any, runner: Any, prompts: list[list[int]],
