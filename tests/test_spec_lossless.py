@@ -6,18 +6,19 @@ keeps the target's distribution, a test a deliberately wrong acceptance rule fai
 from __future__ import annotations
 
 import asyncio
+from typing import ClassVar
 
 import pytest
 import torch
 from reference_decode import greedy_reference
 from test_sampling import chi2_pvalue
 
-import pipeline.verify.acceptance as acceptance
 from pipeline.config import load_config
 from pipeline.engine.local import LocalStages, build_local_engine
 from pipeline.models.runners import build_runner, tiny_tokenizer
 from pipeline.params import SamplingParams
 from pipeline.sampling import process_logits
+from pipeline.verify import acceptance
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,7 +43,7 @@ def reference() -> list[int]:
 class Recording(LocalStages):
     """LocalStages that keep each step's (step id, rids, tokens, drafted)."""
 
-    steps: list = []
+    steps: ClassVar[list] = []  # the test's own record, reset by run()
 
     async def run_step(self, plan):
         outcome = await super().run_step(plan)
@@ -122,7 +123,7 @@ def test_sampling_through_the_speculative_engine_keeps_the_target_distribution(m
             return outs
 
         outs = asyncio.run(go())
-        first = max(set(o[0] for o in outs), key=[o[0] for o in outs].count)
+        first = max({o[0] for o in outs}, key=[o[0] for o in outs].count)
         runner = core.stages.verifier.runner
         slot = runner.allocate()
         logits = runner.forward([slot], [PROMPT + [first]], last_only=True)[0][-1:]
