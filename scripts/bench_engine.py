@@ -5,8 +5,10 @@ Hugging Face `generate` (plain and prompt lookup) as the outside baseline, in on
 
 Modes: `none` (target only), `adaptive` (n-gram drafts, k chosen per request and step by
 pipeline.engine.spec_control, up to the largest fixed k), `k2` / `k4` / `k8` (n-gram drafts, fixed
-k) and `model` (a draft model, adaptive). SmolLM2-135M has no smaller sibling here, so the `model`
-draft is a STAND-IN: the target's own weights with most layers skipped (`--draft-layers`).
+k), `model` (a draft model, adaptive), `suffix` (suffix drafts, pipeline.draft.suffix, adaptive
+up to SUFFIX_K) and `suffix-fixed` (suffix drafts, k = SUFFIX_K: only the drafts' own score cuts).
+SmolLM2-135M has no smaller sibling here, so the `model` draft is a STAND-IN: the target's own
+weights with most layers skipped (`--draft-layers`).
 
 Protocol: "batch b" means b requests in flight together (waves of b; a wave starts when the
 previous one has finished, so TTFT never includes queueing). Every mode runs every wave of a
@@ -44,8 +46,9 @@ if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` a
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD_DIR = os.path.join(ROOT, "scripts", "workloads")
-MODES = ("none", "adaptive", "k2", "k4", "k8", "model")
+MODES = ("none", "adaptive", "k2", "k4", "k8", "model", "suffix", "suffix-fixed")
 FIXED_K = {"k2": 2, "k4": 4, "k8": 8}
+SUFFIX_K = 16  # suffix drafts are cut by their own score; this is only the ceiling
 
 
 # --- workloads ------------------------------------------------------------------------------
@@ -410,6 +413,9 @@ def mode_config(config: Any, mode: str, k: int) -> Any:
                               speculation="adaptive")
     if mode == "adaptive":
         return config.replace(draft="ngram", num_speculative_tokens=k, speculation="adaptive")
+    if mode in ("suffix", "suffix-fixed"):
+        return config.replace(draft="suffix", num_speculative_tokens=SUFFIX_K,
+                              speculation="adaptive" if mode == "suffix" else "fixed")
     return config.replace(draft="ngram", num_speculative_tokens=FIXED_K[mode],
                           speculation="fixed")
 
@@ -592,6 +598,12 @@ def targets(results: list[RunResult]) -> dict[str, Any]:
             cell["adaptive_vs_best_fixed (>= 0.97)"] = ad.tokens_per_s / best.tokens_per_s
             cell["beats_every_fixed"] = all(ad.tokens_per_s > r.tokens_per_s
                                             for r in fixed.values())
+        for m in ("suffix", "suffix-fixed"):
+            sx = by.get(("local", m, w, b))
+            if sx is not None and none is not None:
+                cell[f"{m}_vs_none"] = sx.tokens_per_s / none.tokens_per_s
+            if sx is not None:
+                cell[f"{m}_vs_adaptive_ngram"] = sx.tokens_per_s / ad.tokens_per_s
         out[f"{w}/b{b}"] = cell
     copy1 = out.get("copy/b1", {}).get("adaptive_vs_none (>= 0.97)")
     out["copy_b1_adaptive_vs_none (>= 1.8)"] = copy1
