@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_helm import REPO, env_of, one, pod_specs, ray_container, render
+from test_helm import REPO, crd_errors, env_of, one, pod_specs, ray_container, render
 
 from actors.serve_app import replica_config
 from pipeline.config import EngineConfig
@@ -92,6 +92,11 @@ def test_rendered_serve_config_builds_a_replica_config(name):
     group = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = int(group["rayStartParams"]["num-gpus"]) * group["replicas"]
     assert config.tensor_parallel_size <= gpus, "not enough GPUs for one verifier per rank"
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_every_value_set_renders_a_rayservice_the_kuberay_crd_accepts(name):
+    assert crd_errors(rendered(name)) == []
 
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
