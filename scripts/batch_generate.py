@@ -178,8 +178,9 @@ def connect_ray(address: str | None) -> None:
     import ray
 
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or os.environ["RAY_ADDRESS"])
-        how = "joined the Ray cluster"
+        address = address or os.environ["RAY_ADDRESS"]
+        ray.init(address=address)
+        how = "started a local Ray cluster" if address == "local" else "joined the Ray cluster"
     else:
         try:
             ray.init(address="auto")
