@@ -421,3 +421,22 @@ def test_eos_token_is_not_in_text_but_counted():
     assert c["text"] == "He" and r.json()["usage"]["completion_tokens"] == 3
     assert c["logprobs"]["tokens"][-1] == ByteTok().decode([EOS], skip_special_tokens=False)
     assert SCRIPT.startswith(c["text"])
+
+
+def test_choices_over_the_per_request_cap_are_a_400_naming_prompt_and_n():
+    engine = FakeEngine(num_slots=8, max_waiting=64)
+    r = run(post(engine, "/v1/completions", {"prompt": ["a"] * 16, "n": 16, "max_tokens": 4}))
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "too_many_choices" and "prompt, n" in err["message"]
+    assert "256 choices" in err["message"] and engine.requests == {}  # nothing started
+    r = run(post(engine, "/v1/completions", {"prompt": ["a"] * 4, "n": 2, "max_tokens": 4},
+                 max_choices_per_request=8))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
+
+
+def test_the_choices_of_one_request_share_its_id_as_their_admission_group():
+    engine = FakeEngine(num_slots=8, max_waiting=8)
+    r = run(post(engine, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 4}))
+    assert r.status_code == 200
+    assert set(engine.groups.values()) == {r.json()["id"]} and len(engine.groups) == 4
