@@ -30,7 +30,7 @@ from pipeline.draft.suffix import SuffixProposer, SuffixSettings
 from pipeline.engine.step_plan import NewRequest, StepPlan
 from pipeline.params import SamplingParams
 
-GREEDY = SamplingParams()
+GREEDY = SamplingParams(max_new_tokens=1024)  # sizes the per-request index as the engine would
 
 
 class Traffic:
