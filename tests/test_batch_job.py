@@ -111,3 +111,59 @@ def test_ray_job_submit_batch_generate_writes_results():
         assert r["spec_stats"]["verify_ct"] >= 1
         assert sum(r["spec_stats"]["acceptance_histogram"]) == r["spec_stats"]["verify_ct"]
     assert "temperature" in results[3]["error"]
+
+
+def run_batch_script(tmp: str, lines: list, *args: str) -> subprocess.Popen:
+    """scripts/batch_generate.py on a local Ray of its own (never a cluster someone started)."""
+    inp = os.path.join(tmp, "in.jsonl")
+    with open(inp, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    env = dict(ray_env(), RAY_ADDRESS="local")
+    return subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "scripts", "batch_generate.py"), "--input", inp,
+         "--output", os.path.join(tmp, "out.jsonl"), *args], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_an_engine_that_cannot_be_placed_is_explained_and_fails_after_the_timeout(tmp_path):
+    config = tmp_path / "unplaceable.yaml"
+    with open(os.path.join(ROOT, "configs", "tiny.yaml")) as f:
+        config.write_text(f.read() + "placement:\n  verifier_resources: {accelerator_x: 1}\n")
+    proc = run_batch_script(str(tmp_path), ["hello"], "--config", str(config),
+                            "--start-timeout", "5")
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 3, out[-3000:]
+    assert "started a local Ray cluster at" in out and "resources {" in out  # where it runs
+    assert "did not start within 5s" in out and "accelerator_x" in out and "available" in out
+
+
+def test_sigterm_stops_the_job_promptly_and_writes_what_finished(tmp_path):
+    short = [{"id": f"s{i}", "prompt": "hi", "max_tokens": 2} for i in range(2)]
+    long = [{"id": f"l{i}", "prompt": "go", "max_tokens": 240, "ignore_eos": True}
+            for i in range(30)]
+    proc = run_batch_script(str(tmp_path), short + long, "--config",
+                            os.path.join(ROOT, "configs", "tiny.yaml"), "--concurrency", "2",
+                            "--progress-every", "0.2")
+    seen = []
+    try:
+        for line in proc.stdout:  # until the two short lines are done
+            seen.append(line)
+            if line.startswith("progress: ") and int(line.split()[1].split("/")[0]) >= 2:
+                break
+        t_term = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        waited = time.monotonic() - t_term
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(seen) + rest
+    assert proc.returncode == 143, log[-3000:]
+    assert waited < 15, log[-3000:]  # the issue: not gone 8 s after SIGTERM; engine stop incl.
+    with open(tmp_path / "out.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["id"] for r in rows] == [d["id"] for d in short + long]  # every line, in order
+    assert all(r["error"] is None and r["completion_tokens"] == 2 for r in rows[:2])
+    assert len([r for r in rows if r["error"] is None]) >= 2  # what finished is kept
+    assert {r["error"] for r in rows[2:]} <= {"interrupted", None}
+    assert sum(r["error"] == "interrupted" for r in rows) >= 20
