@@ -70,7 +70,8 @@ def stop_position(ref: list[int], start: int) -> int:
 
 
 @pytest.mark.parametrize("draft,overrides", [
-    ("ngram", {}), ("model", {"draft_agreement_noise": 0.6})])
+    ("ngram", {}), ("suffix", {"num_speculative_tokens": 8}),
+    ("model", {"draft_agreement_noise": 0.6})])
 @pytest.mark.parametrize("kind", ["stop_id", "stop_string"])
 def test_a_stop_fires_in_the_reference_step_after_rejected_drafts(reference, draft, overrides,
                                                                   kind):
