@@ -32,8 +32,9 @@ class SamplingParams:
     top_k: int = -1  # -1 (or 0) = disabled
     seed: int | None = None
     min_new_tokens: int = 0
-    # A grammar factory: a zero-argument callable returning a fresh matcher with
-    # `accept_token(token_id) -> bool` and `is_terminated() -> bool` (see pipeline.grammar).
+    # Structured output: a compiled pipeline.grammar.llg.Grammar (JSON schema, regex, choice,
+    # Lark), or a zero-argument factory of matchers with `accept_token(token_id) -> bool` and
+    # `is_terminated() -> bool` (pipeline.grammar.choice_grammar; output-side only).
     grammar: Any = None
 
     def __post_init__(self) -> None:
@@ -68,8 +69,9 @@ class SamplingParams:
         _check_int("top_k", self.top_k, -1, 1 << 31)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
-        if self.grammar is not None and not callable(self.grammar):
-            raise ValueError("grammar: must be a callable returning a grammar matcher")
+        if (self.grammar is not None and not callable(self.grammar)
+                and not hasattr(self.grammar, "matcher")):
+            raise ValueError("grammar: must be a compiled Grammar or a matcher factory")
 
     @property
     def greedy(self) -> bool:

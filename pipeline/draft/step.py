@@ -7,10 +7,16 @@ import time
 from pipeline.config import EngineConfig
 from pipeline.draft.base import Proposal, Proposer
 from pipeline.engine.step_plan import StepPlan
+from pipeline.grammar.tracker import GrammarTracker
 
 
-def draft_step(proposer: Proposer, plan: StepPlan) -> Proposal:
-    """Release finished requests, add new ones, commit last step's tokens, draft this step's."""
+def draft_step(proposer: Proposer, plan: StepPlan,
+               grammars: GrammarTracker | None = None) -> Proposal:
+    """Release finished requests, add new ones, commit last step's tokens, draft this step's;
+    with `grammars`, each constrained request's drafts end before the first token its grammar
+    rejects (so the verifier, the adaptive k and `draft_tokens` see only drafts that can count)."""
+    if grammars is not None:
+        grammars.apply(plan)
     for rid in plan.release:
         proposer.remove(rid)
     for new in plan.new:
@@ -19,8 +25,19 @@ def draft_step(proposer: Proposer, plan: StepPlan) -> Proposal:
         proposer.commit(rid, tokens)
     start = time.perf_counter()
     proposal = proposer.propose(plan.decode, plan.ks)
+    if grammars:
+        _cut(proposal, grammars.cut(plan.decode, proposal.tokens))
     proposal.seconds = time.perf_counter() - start
     return proposal
+
+
+def _cut(proposal: Proposal, tokens: list[list[int]]) -> None:
+    """Shorten the proposal to `tokens` (prefixes of its drafts), with its probs and confidence."""
+    proposal.tokens = tokens
+    if proposal.probs is not None:
+        proposal.probs = [p if p is None else p[: len(t)] for p, t in zip(proposal.probs, tokens)]
+    if proposal.confidence is not None:
+        proposal.confidence = [c[: len(t)] for c, t in zip(proposal.confidence, tokens)]
 
 
 def build_proposer(config: EngineConfig) -> Proposer:

@@ -14,6 +14,7 @@ from pipeline.draft.base import Proposer
 from pipeline.draft.step import build_proposer, draft_step
 from pipeline.engine.core import EngineCore
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
+from pipeline.grammar.tracker import GrammarTracker
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.verify.verifier import Verifier
@@ -26,12 +27,14 @@ class LocalStages:
         self.proposer = proposer
         self.verifier = verifier
         self.output = output
+        # The draft stage's own grammar matchers (as the draft actor keeps them under Ray).
+        self.grammars = GrammarTracker(lambda: verifier.runner.tokenizer)
 
     async def add_request(self, req: NewRequest, traceparent: str | None) -> None:
         self.output.add_request(req.rid, req.prompt_ids, req.params)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
-        outcome = self.verifier.step(plan, draft_step(self.proposer, plan))
+        outcome = self.verifier.step(plan, draft_step(self.proposer, plan, self.grammars))
         assert outcome is not None  # a driver verifier always returns one
         return outcome
 

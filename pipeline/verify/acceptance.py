@@ -159,6 +159,7 @@ def accept(
     draft_probs: Tensor | None = None,  # [B, K, V] processed draft q; None = point mass (n-gram)
     num_top_logprobs: int = 0,
     generator: torch.Generator | None = None,
+    allowed: Tensor | None = None,  # [B, K+1, V] bool grammar mask; None = every token allowed
 ) -> AcceptanceResult:
     """Verify one step for a batch: greedy rows with `greedy_accept`, sampled rows with
     `rejection_accept` on processed target distributions. A seeded request's uniforms come from
@@ -166,7 +167,10 @@ def accept(
     k_i acceptance uniforms -- so its result does not depend on the rest of the batch; unseeded
     rows share batched draws from `generator` (None = process RNG). `positions[i]` is the
     number of output tokens request i had before this step; a prefill is K = 0. `sampling`
-    must live on the logits' device.
+    must live on the logits' device. `allowed` (structured output) sets disallowed logits to
+    -inf before argmax, processing and rejection sampling, so every output token and the
+    residual respect the grammar (p of a disallowed draft is 0: rejected); each row must allow
+    at least one token. Logprobs stay those of the raw logits.
     Raises ValueError on inconsistent shapes."""
     _check_shapes(draft_token_ids, num_drafts, target_logits, sampling, positions, draft_probs)
     num_pos = draft_token_ids.shape[1]
@@ -175,6 +179,12 @@ def accept(
     draft_token_ids = draft_token_ids.long().to(device)
     num_drafts = num_drafts.long().to(device)
 
+    raw_logits = target_logits
+    if allowed is not None:
+        if tuple(allowed.shape) != tuple(target_logits.shape):
+            raise ValueError(f"allowed must be [B, K+1, V] = {tuple(target_logits.shape)}, "
+                             f"got {tuple(allowed.shape)}")
+        target_logits = target_logits.masked_fill(~allowed.to(device), float("-inf"))
     target_argmax = target_logits.argmax(dim=-1)
     tokens, num_tokens = greedy_accept(draft_token_ids, num_drafts, target_argmax)
     sampled = (~sampling.greedy).nonzero().squeeze(-1)
@@ -204,7 +214,7 @@ def accept(
         tokens[sampled] = sub_tokens
         num_tokens[sampled] = sub_num
 
-    logprobs = compute_logprobs(target_logits)
+    logprobs = compute_logprobs(raw_logits)
     chosen = logprobs.gather(-1, tokens.clamp_min(0)[..., None]).squeeze(-1)
     keep = torch.arange(num_pos + 1, device=device)[None, :] < num_tokens[:, None]
     result = AcceptanceResult(tokens, num_tokens, chosen.masked_fill(~keep, float("nan")))

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.draft.base import Proposal
 from pipeline.engine.step_plan import StepOutcome, StepPlan
+from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runner import ModelRunner
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
@@ -31,6 +32,9 @@ class Verifier:
         self.generator = generator
         self._slots: dict[str, int] = {}
         self._params: dict[str, SamplingParams] = {}
+        # The driver's grammar matchers mask the logits of constrained requests (the tokenizer
+        # is only needed once one arrives).
+        self.grammars = GrammarTracker(lambda: runner.tokenizer)
 
     @property
     def num_running(self) -> int:
@@ -51,6 +55,8 @@ class Verifier:
                 raise ValueError(f"verifier: request {new.rid!r} is already running")
             self._slots[new.rid] = self.runner.allocate()
             self._params[new.rid] = new.params
+        if self.driver:
+            self.grammars.apply(plan)
         if not plan.rids:  # a release-only plan
             return StepOutcome(plan.step, [], [], []) if self.driver else None
         drafts = self._drafts(plan, proposal)
@@ -62,7 +68,9 @@ class Verifier:
         positions = [0] * len(plan.new) + list(plan.num_outputs)
         all_drafts = [[] for _ in plan.new] + drafts
         q = self._draft_probs(plan, proposal, all_drafts)
-        result = _accept(logits, all_drafts, params, positions, q, self.generator)
+        allowed = self.grammars.masks(plan.rids, all_drafts,
+                                      max(len(d) for d in all_drafts) + 1, logits[0].shape[-1])
+        result = _accept(logits, all_drafts, params, positions, q, self.generator, allowed)
         outcome = _outcome(plan, result, all_drafts, params)
         if plan.decode:  # what the decodes cost: drafting, their forward, acceptance
             outcome.decode_s = (decode_s + time.perf_counter() - start
@@ -115,7 +123,7 @@ class Verifier:
 
 def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[SamplingParams],
             positions: list[int], q: torch.Tensor | None,
-            generator: torch.Generator | None) -> AcceptanceResult:
+            generator: torch.Generator | None, allowed: np.ndarray | None) -> AcceptanceResult:
     width = max(len(d) for d in drafts)
     batch, vocab = len(drafts), logits[0].shape[-1]
     device = logits[0].device  # acceptance runs where the logits are (GPU or CPU)
@@ -128,8 +136,9 @@ def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[Sa
     num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)
     top_n = max((p.logprobs or 0 for p in params), default=0)
     sampling = SamplingTensors.from_params(params, device)
+    mask = None if allowed is None else torch.from_numpy(allowed).to(device)
     return accept(draft_ids, num_drafts, padded, sampling, positions, draft_probs=q,
-                  num_top_logprobs=top_n, generator=generator)
+                  num_top_logprobs=top_n, generator=generator, allowed=mask)
 
 
 def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],

@@ -1,0 +1,25 @@
+"""Grammar-constrained output: the matcher protocol the finish rules use (`matcher`), the
+llguidance backend for JSON schema / regex / choice / Lark (`llg`), and the per-stage matchers
+that cut drafts and mask the verifier's logits under speculation (`tracker`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.grammar.matcher import (
+    GrammarMatcher,
+    TokenSequenceMatcher,
+    choice_grammar,
+    grammar_end,
+)
+
+__all__ = ["GrammarMatcher", "TokenSequenceMatcher", "choice_grammar", "grammar_end",
+           "new_matcher"]
+
+
+def new_matcher(grammar: Any, tokenizer: Any) -> Any:
+    """A fresh matcher for `SamplingParams.grammar`: a compiled `llg.Grammar` (built against
+    `tokenizer`) or a zero-argument factory such as `choice_grammar`'s."""
+    if hasattr(grammar, "matcher"):
+        return grammar.matcher(tokenizer)
+    return grammar()
