@@ -1,11 +1,13 @@
-"""pipeline.output.detokenizer: batch decoding, stop-string search and hold-back, bounded decode windows."""
+"""pipeline.output.detokenizer (batch decoding) and pipeline.output.text (stop-string search and
+hold-back, bounded decode windows)."""
 
 from __future__ import annotations
 
 from output_support import EOS, PLAIN_ADDED, STOP, byte_id, piece_id, text_ids, tiny_tokenizer
 
-from pipeline.output.detokenizer import Detokenizer, StopStrings
+from pipeline.output.detokenizer import Detokenizer
 from pipeline.output.processor import OutputProcessor
+from pipeline.output.text import StopStrings
 from pipeline.params import SamplingParams
 from pipeline.protocol import VerifyStep, encode
 
@@ -71,12 +73,13 @@ def test_decode_window_stays_short_however_long_the_output():
     proc = OutputProcessor(TINY, [EOS])
     proc.add_request("r", [], SamplingParams(max_new_tokens=100_000, stop=["zz"]))
     stream = text_ids(TINY, "héllo wörld ") * 400  # includes 2-byte characters split over tokens
+    sent = 0
     for k in range(0, len(stream), 3):
-        proc.process(encode(VerifyStep(k, ["r"], [stream[k : k + 3]], [2])))
+        sent += len(proc.process(encode(VerifyStep(k, ["r"], [stream[k : k + 3]], [2])))[0].text)
         st = proc.get_state("r")
         assert len(st.output_ids) - st.text.prefix_offset <= 3
         assert len(st.text.tail) <= 1
-    assert st.text.chars_sent == len("héllo wörld ") * 400
+    assert sent == len("héllo wörld ") * 400
 
 
 def test_incomplete_character_is_held_until_its_last_byte_arrives():

@@ -263,3 +263,49 @@ def test_python_tokenizer_without_rust_backend_every_cut_gives_the_same_output(d
     pool = [ord(c) for c in "ab c.!"] + [0xE9, 0x80, 0, 1, 2]
     stream, params, cuts = data.draw(scenarios(pool, _decode_fn(detok)))
     check_invariance(tok, [2], stream, params, cuts)
+
+
+# Chunks of a SentencePiece-style stream: whole characters as byte-fallback runs, lone bytes that
+# extend a run into U+FFFDs, and non-byte pieces that end a run.
+MARU = [byte_id(b) for b in "丸".encode()]
+SP_CHUNKS = [MARU, MARU, [byte_id(0xE4)], [byte_id(0xB8)], [SP.token_to_id("\u2581a")],
+             [SP.token_to_id("a")], [SP.token_to_id("\u2581b")], [EOS]]
+
+
+@st.composite
+def second_stop_hit_scenarios(draw):
+    """A stop string that completes before `min_new_tokens` (rejected) and may complete again
+    later, inside or at the end of a byte-fallback run whose text a later byte can undo."""
+    chunks = draw(st.lists(st.sampled_from(SP_CHUNKS), min_size=2, max_size=10))
+    stream = [*MARU, SP.token_to_id("\u2581a"), *(t for c in chunks for t in c)]
+    params = SamplingParams(
+        max_new_tokens=len(stream),
+        min_new_tokens=draw(st.integers(1, len(stream))),
+        stop=draw(st.sampled_from([["丸"], ["丸", "a丸"], ["丸a"], ["\ufffd"]])),
+        include_stop_str_in_output=draw(st.booleans()),
+        skip_special_tokens=draw(st.booleans()),
+        logprobs=draw(st.sampled_from([None, 0])),
+    )
+    cuts = draw(st.lists(st.integers(1, 8), min_size=1, max_size=4))
+    return stream, params, cuts
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(second_stop_hit_scenarios())
+def test_a_stop_hit_after_a_min_new_tokens_rejection_obeys_the_byte_fallback_rule(case):
+    # The search that goes on past a rejected hit must look at committed text only: the text of a
+    # trailing byte run is not committed (a later byte can turn it into U+FFFDs).
+    stream, params, cuts = case
+    check_invariance(SP, [EOS], stream, params, cuts)
+
+
+def test_a_trailing_byte_run_after_a_rejected_stop_hit_does_not_stop_the_request():
+    # 丸 ▁a 丸 | E4 ▁b, min_new_tokens 4: the first 丸 is too early; the second is a trailing byte
+    # run at the end of the first window, and the next byte turns it into four U+FFFDs.
+    stream = [*MARU, SP.token_to_id("\u2581a"), *MARU, byte_id(0xE4), SP.token_to_id("\u2581b")]
+    params = SamplingParams(max_new_tokens=len(stream), min_new_tokens=4, stop=["丸"])
+    check_invariance(SP, [EOS], stream, params, [7, 2])
+    proc = OutputProcessor(SP, [EOS])
+    proc.add_request("r", [1, 2, 3], params)
+    got = feed(proc, "r", stream, [7, 2])
+    assert got.last.finish_reason == "length" and got.text == "丸 a\ufffd\ufffd\ufffd\ufffd b"

@@ -4,14 +4,16 @@ A step appends the window `w = [t_1..t_n]` at output positions `start..start+n-1
 returns the earliest position `f` at which a condition holds, or None:
 
 - stop token: `t` in `stop_token_ids`, or an EOS id unless `ignore_eos`, at a position
-  `>= min_new_tokens` (earlier ones are ordinary tokens);
-- stop string: the earliest completion of any stop string in the decoded output (`f` is the token
+  `>= min_new_tokens` (earlier ones are ordinary tokens); an EOS id that is not also in
+  `stop_token_ids` is the kind EOS (the front end reports no `stop_reason` for it);
+- stop string: the earliest completion of any stop string in the committed text (`f` is the token
   holding its last character). Text is not a function of the window alone, so the caller finds it
-  (`pipeline.output.detokenizer.find_stop_string`) and passes it in;
+  (`pipeline.output.text.find_stop`, which applies `min_new_tokens` below) and passes it in;
 - grammar: the request's grammar accepts no more tokens after `t` (`pipeline.grammar.grammar_end`);
 - length: position `max_new_tokens - 1`.
 
 At one position the order is stop token, stop string, grammar, length (`FinishKind` order).
+`Finish.kind_name` is the finish kind every later stage reads (`RequestOutput.finish_kind`).
 
 `min_new_tokens` and stop strings: a stop string completing at a position `< min_new_tokens` is
 ignored too (the search goes on to the next completion). The parameter promises at least that many
@@ -27,16 +29,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
+from pipeline.output.text import StopStringHit
 from pipeline.params import SamplingParams
 
 
 class FinishKind(IntEnum):
-    """Which condition ended a request; the value is the tie order at one position."""
+    """Which condition ended a request; the value is the tie order at one position (EOS and
+    STOP_TOKEN never tie: one token is one or the other)."""
 
-    STOP_TOKEN = 0
-    STOP_STRING = 1
-    GRAMMAR = 2
-    LENGTH = 3
+    EOS = 0
+    STOP_TOKEN = 1
+    STOP_STRING = 2
+    GRAMMAR = 3
+    LENGTH = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,21 +51,13 @@ class StopRules:
     stop_ids: frozenset[int]  # stop_token_ids plus EOS ids unless ignore_eos
     min_new_tokens: int
     max_new_tokens: int
+    eos_ids: frozenset[int] = frozenset()  # the stop ids that are EOS only (not stop_token_ids)
 
     @classmethod
     def from_params(cls, params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> StopRules:
-        ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids.update(eos_token_ids)
-        return cls(frozenset(ids), params.min_new_tokens, params.max_new_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class StopStringHit:
-    """A stop string's completion: output position of the token holding its last character."""
-
-    pos: int
-    stop: str
+        stop_token_ids = frozenset(params.stop_token_ids)
+        eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids) - stop_token_ids
+        return cls(stop_token_ids | eos, params.min_new_tokens, params.max_new_tokens, eos)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +69,11 @@ class Finish:
     @property
     def reason(self) -> str:
         return "length" if self.kind is FinishKind.LENGTH else "stop"
+
+    @property
+    def kind_name(self) -> str:
+        """"eos", "stop_token", "stop_string", "grammar" or "length"."""
+        return self.kind.name.lower()
 
     @property
     def finished_len(self) -> int:
@@ -96,8 +98,10 @@ def find_finish(
     if rules.stop_ids:
         stop_ids = rules.stop_ids
         for i in range(first, len(window)):
-            if window[i] in stop_ids:
-                best = Finish(start + i, FinishKind.STOP_TOKEN, int(window[i]))
+            t = window[i]
+            if t in stop_ids:
+                kind = FinishKind.EOS if t in rules.eos_ids else FinishKind.STOP_TOKEN
+                best = Finish(start + i, kind, int(t))
                 break
     candidates = []
     if stop_string is not None:
