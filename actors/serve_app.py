@@ -27,6 +27,7 @@ from ray import serve
 from actors.engine_client import EngineClient
 from pipeline.config import EngineConfig, load_config
 from pipeline.frontend.app import API_KEY_ENV, ServerSettings, create_app
+from pipeline.frontend.proxy_guard import proxy_guard_env
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,8 @@ def serve_main(argv: list[str]) -> int:
     if not args.address and not os.environ.get("RAY_ADDRESS"):
         init.update(num_cpus=args.num_cpus, include_dashboard=False)
         loopback_ray()
+        # Serve's proxy (a worker of this local cluster, inheriting its env) keys /-/routes.
+        os.environ.update(proxy_guard_env(args.api_key or ""))
     ray.init(**init)
     # After ray.init (its failure-signal handler would otherwise end the process on SIGTERM)
     # and before the app starts: a SIGTERM while deploying still drains and shuts down.

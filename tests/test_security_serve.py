@@ -65,6 +65,15 @@ def test_every_listening_socket_of_the_deployment_is_on_loopback(deployment):
     assert exposed == [], exposed
 
 
+def test_serve_proxy_routes_need_the_key_but_a_local_healthz_probe_does_not(deployment):
+    _, base, _, _ = deployment
+    routes = httpx.get(f"{base}/-/routes", timeout=30)
+    assert routes.status_code == 401 and routes.headers["www-authenticate"].startswith("Bearer")
+    assert httpx.get(f"{base}/-/routes", headers=AUTH, timeout=30).status_code == 200
+    # The test client is on loopback, like an in-pod probe: /-/healthz answers without the key.
+    assert httpx.get(f"{base}/-/healthz", timeout=30).status_code == 200
+
+
 def test_sigterm_refuses_new_requests_while_in_flight_ones_finish(deployment):
     proc, base, _, log_path = deployment
     body = {"prompt": "go", "max_tokens": 900, "n": 4, "ignore_eos": True, "stream": True}

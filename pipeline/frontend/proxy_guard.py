@@ -1,10 +1,11 @@
 """The API key in front of Ray Serve's own proxy routes, `/-/routes` and `/-/healthz`.
 
 Serve 2.60's HTTP proxy answers those two itself, before any application sees the request, so the
-app's Guard cannot cover them. The proxy does wrap its whole ASGI app in the Starlette
-middlewares of `http_options.middlewares` (or those returned by the callable named in
-RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), which is where this one goes. It runs in the proxy
-actor's process and reads the key from SPECRELAY_API_KEY there (docs/reliability.md).
+app's Guard cannot cover them. `http_options.middlewares` is refused in 2.60 ("has been
+removed"); what is left is RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH: the proxy actor calls the
+function it names and wraps its whole ASGI app in the Starlette middlewares returned. This one
+runs in the proxy's process and reads the key from SPECRELAY_API_KEY there
+(docs/reliability.md).
 
 Rules: with a key set, `/-/routes` needs it; `/-/healthz` needs it too unless the client is on
 loopback (in-pod probes such as KubeRay's `wget localhost:8000/-/healthz`). Every other path is
@@ -55,3 +56,13 @@ def proxy_middlewares() -> list[Middleware]:
     """For RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=pipeline.frontend.proxy_guard:proxy_middlewares
     (clusters started outside `specrelay serve`, e.g. KubeRay)."""
     return [Middleware(SystemRoutesGuard)]
+
+
+CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+
+
+def proxy_guard_env(api_key: str) -> dict[str, str]:
+    """The environment a Serve proxy needs to run SystemRoutesGuard with `api_key`."""
+    if not api_key:
+        return {}
+    return {CALLBACK_ENV: f"{__name__}:proxy_middlewares", API_KEY_ENV: api_key}
