@@ -26,6 +26,9 @@ class ByteTok:
     eos_token_id = EOS
     chat_template = None
 
+    def __len__(self) -> int:  # the vocabulary a grammar is compiled against
+        return 256
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 

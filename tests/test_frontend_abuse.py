@@ -242,14 +242,13 @@ UNSUPPORTED = [
      "tools"),
     (CHAT, "tool_choice", "auto", "tool_choice"),
     (CHAT, "tool_choice", "none", "tool_choice"),
-    (CHAT, "response_format", {"type": "json_object"}, "response_format"),
-    (CHAT, "response_format", {"type": "text"}, "response_format"),
+    (CHAT, "guided_grammar", "root ::= \"a\"", "guided_grammar"),
+    (CHAT, "structured_outputs", {"regex": "a"}, "structured_outputs"),
     (CHAT, "functions", [{"name": "f"}], "functions"),
     (CHAT, "function_call", "auto", "function_call"),
     (CHAT, "modalities", ["text", "audio"], "modalities"),
     (CHAT, "reasoning_effort", "low", "reasoning_effort"),
-    (C, "response_format", {"type": "json_object"}, "response_format"),
-    (C, "guided_json", {"type": "object"}, "guided_json"),
+    (C, "guided_grammar", "root ::= \"a\"", "guided_grammar"),
     (C, "tools", [], "tools"),
 ]
 

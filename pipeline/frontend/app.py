@@ -38,6 +38,7 @@ from pipeline.frontend.openapi import openapi_schema
 from pipeline.frontend.responses import new_id
 from pipeline.frontend.run import EngineRun, InflightCount
 from pipeline.frontend.settings import API_KEY_ENV, ServerSettings
+from pipeline.frontend.structured import request_grammar, wants_grammar
 from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.frontend.writer import ResponseShape, ResponseWriter, SSEResponse
 from pipeline.params import SamplingParams
@@ -137,7 +138,7 @@ class Server:
         return await self._generate(request, req, [ids], info)
 
     def _jobs(self, req: AnyRequest, prompts: list[list[int]], info: ModelInfo,
-              ) -> list[ChoiceJob]:
+              grammar: Any = None) -> list[ChoiceJob]:
         """One job per choice: choices of prompt p are p*n .. p*n+n-1 (OpenAI's order)."""
         cap = self.settings.max_choices_per_request
         if len(prompts) * req.n > cap:  # each choice takes a queue place and a slot
@@ -149,7 +150,7 @@ class Server:
             for j in range(req.n):
                 index = p * req.n + j
                 params = reqs.to_sampling_params(req, len(ids), info.max_model_len,
-                                                 choice_index=index)
+                                                 choice_index=index, grammar=grammar)
                 jobs.append(ChoiceJob(index, p, ids, params))
         return jobs
 
@@ -159,7 +160,10 @@ class Server:
             raise APIError(503, "server is shutting down; retry on another replica",
                            type="server_error", code="server_shutting_down")
         chat = isinstance(req, reqs.ChatCompletionRequest)
-        jobs = self._jobs(req, prompts, info)  # all validated before anything starts
+        grammar = None
+        if wants_grammar(req):  # compiled (and refused with a 400) before a slot is taken
+            grammar = await asyncio.to_thread(request_grammar, req, self.tok.tok)
+        jobs = self._jobs(req, prompts, info, grammar)  # all validated before anything starts
         for ids in prompts:
             self.metrics.observe_prompt(len(ids))
         t0 = time.monotonic()

@@ -64,6 +64,11 @@ class _CommonRequest(_Strict):
     repetition_penalty: float | None = _documented(None, minimum=1, maximum=1)
     logit_bias: dict[str, float] | None = _documented(None, maxProperties=0)
     best_of: int | None = _documented(None, minimum=1, maximum=MAX_N)  # 1 or n
+    # Structured output (pipeline.frontend.structured): at most one of these.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_CommonRequest):
@@ -122,8 +127,8 @@ def _depth(obj: Any, level: int = 0) -> int:
 # is a 400 naming it: a client that asks for JSON or tool calls must not silently get free text.
 # (Other unknown keys are ignored, as vLLM does; `user`, `metadata`, `store`, `service_tier`,
 # `parallel_tool_calls` and `prompt_cache_key` do not change the output and are accepted.)
-_STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar", "structured_outputs")
+# response_format, guided_json / _regex / _choice are supported (pipeline.frontend.structured).
+_STRUCTURED = ("guided_grammar", "structured_outputs")
 UNSUPPORTED_COMPLETION = (*_STRUCTURED, "tools", "tool_choice")
 UNSUPPORTED_CHAT = (*_STRUCTURED, "tools", "tool_choice", "functions", "function_call",
                     "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity")
@@ -296,7 +301,7 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                        max_model_len: int, choice_index: int = 0,
-                       default_max_tokens: int = 16) -> SamplingParams:
+                       default_max_tokens: int = 16, grammar: Any = None) -> SamplingParams:
     """SamplingParams for one choice; checks the context window; errors name the user's param."""
     is_chat = isinstance(req, ChatCompletionRequest)
     max_name = ("max_completion_tokens" if is_chat and req.max_completion_tokens is not None
@@ -324,7 +329,8 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
         "stop_token_ids": req.stop_token_ids or [], "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
-        "min_new_tokens": req.min_tokens, "seed": choice_seed(req.seed, choice_index)}
+        "min_new_tokens": req.min_tokens, "seed": choice_seed(req.seed, choice_index),
+        "grammar": grammar}
     if req.temperature is not None:
         if req.temperature > 2.0:
             raise bad_request(f"temperature: must be in [0, 2], got {req.temperature}",

@@ -42,14 +42,17 @@ def _build_lltokenizer(tokenizer: Any) -> LLTokenizer:
     from pipeline.tiny_tokenizer import ByteTokenizer
     from pipeline.tokenizer import eos_token_ids
 
-    eos = eos_token_ids(tokenizer)
-    if isinstance(tokenizer, ByteTokenizer):
-        from llguidance._tokenizer import TokenizerWrapper
+    try:
+        eos = eos_token_ids(tokenizer)
+    except AttributeError:  # a minimal tokenizer (test fakes): its one EOS
+        eos = [tokenizer.eos_token_id]
+    if hasattr(tokenizer, "backend_tokenizer") and not isinstance(tokenizer, ByteTokenizer):
+        import llguidance.hf  # an HF fast tokenizer: its Rust tokenizer as JSON
 
-        return LLTokenizer(TokenizerWrapper(_ByteVocab(tokenizer)), eos_token=eos)
-    import llguidance.hf
+        return llguidance.hf.from_tokenizer(tokenizer, eos_token=eos)
+    from llguidance._tokenizer import TokenizerWrapper  # a per-id vocabulary (tiny, test fakes)
 
-    return llguidance.hf.from_tokenizer(tokenizer, eos_token=eos)
+    return LLTokenizer(TokenizerWrapper(_ByteVocab(tokenizer)), eos_token=eos)
 
 
 class _ByteVocab:
@@ -59,11 +62,12 @@ class _ByteVocab:
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
-        self.bos_token_id = tokenizer.bos_token_id
-        self.special_token_ids = list(tokenizer.all_special_ids)
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self.special_token_ids = list(getattr(tokenizer, "all_special_ids", [self.eos_token_id]))
         special = set(self.special_token_ids)
-        self.tokens = [b"\xff" + tokenizer.decode([i]).encode() if i in special
-                       else tokenizer.decode([i]).encode() for i in range(len(tokenizer))]
+        decode = tokenizer.decode
+        self.tokens = [b"\xff" + decode([i], skip_special_tokens=False).encode() if i in special
+                       else decode([i]).encode() for i in range(len(tokenizer))]
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
@@ -114,6 +118,7 @@ def compile_grammar(kind: str, source: Any, tokenizer: Any) -> Grammar:
     matcher = LLMatcher(lltok, compiled, log_level=0)
     if matcher.is_error():
         raise ValueError(f"{kind}: {_first_line(matcher.get_error())}")
+    matcher.compute_bitmask()  # the parser settles its first state here
     if matcher.is_stopped() and not matcher.is_accepting():
         raise ValueError(f"{kind}: no output of this tokenizer can satisfy the grammar")
     return Grammar(kind, compiled)

@@ -1,0 +1,75 @@
+"""Structured output parameters -> a compiled grammar (or a 400 naming the parameter).
+
+OpenAI's `response_format` (`json_object`, `json_schema`) and vLLM's `guided_json`,
+`guided_regex`, `guided_choice`; at most one per request. The grammar is compiled and checked
+against the served tokenizer before the request takes a queue place or a slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.frontend.errors import bad_request
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice")
+
+
+def wants_grammar(req: Any) -> bool:
+    fmt = req.response_format
+    return any(getattr(req, name) is not None for name in GUIDED) or (
+        fmt is not None and fmt.get("type") != "text")
+
+
+def grammar_source(req: Any) -> tuple[str, Any, str] | None:
+    """(grammar kind, source, the parameter it came from), or None for free text."""
+    found: list[tuple[str, Any, str]] = []
+    if req.response_format is not None:
+        spec = _response_format(req.response_format)
+        if spec is not None:
+            found.append(spec)
+    if req.guided_json is not None:
+        found.append(("json_schema", req.guided_json, "guided_json"))
+    if req.guided_regex is not None:
+        found.append(("regex", req.guided_regex, "guided_regex"))
+    if req.guided_choice is not None:
+        found.append(("choice", req.guided_choice, "guided_choice"))
+    if len(found) > 1:
+        names = ", ".join(param.split(".")[0] for _, _, param in found)
+        raise bad_request(f"{names}: set at most one structured output parameter",
+                          param=found[1][2])
+    return found[0] if found else None
+
+
+def _response_format(fmt: dict[str, Any]) -> tuple[str, Any, str] | None:
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_schema", {"type": "object"}, "response_format"
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request("response_format.json_schema: must be an object with a schema",
+                              param="response_format.json_schema")
+        schema = spec.get("schema")
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("response_format.json_schema.schema: must be a JSON schema object",
+                              param="response_format.json_schema.schema")
+        return "json_schema", schema, "response_format.json_schema.schema"
+    raise bad_request(f"response_format.type: must be 'text', 'json_object' or 'json_schema', "
+                      f"got {kind!r}"[:200], param="response_format.type")
+
+
+def request_grammar(req: Any, tokenizer: Any) -> Any:
+    """The compiled grammar of `req` for `tokenizer` (None for free text); a 400 naming the
+    parameter for an invalid schema or regex, or one the tokenizer cannot satisfy."""
+    source = grammar_source(req)
+    if source is None:
+        return None
+    from pipeline.grammar.llg import compile_grammar
+
+    kind, text, param = source
+    try:
+        return compile_grammar(kind, text, tokenizer)
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param=param, code="invalid_grammar") from None
