@@ -125,6 +125,9 @@ def test_a_fan_out_keeps_the_reserved_slot_free_for_a_newcomer():
     for i in range(16):
         add(s, f"fan-{i}", [1], SamplingParams(max_new_tokens=5), group="fan")
     assert admitted(s.schedule()) == ["fan-0", "fan-1", "fan-2"]  # one slot kept back
+    for i in range(4):  # a second fan-out does not take the reserve either
+        add(s, f"fan2-{i}", [1], SamplingParams(max_new_tokens=5), group="fan2")
+    assert s.schedule() is None
     add(s, "solo", [1], SamplingParams(max_new_tokens=5))
     assert admitted(s.schedule()) == ["solo"]
     assert s.free_slots == 0
@@ -162,8 +165,9 @@ def test_freed_slots_go_to_the_group_holding_fewest_then_round_robin():
        st.integers(1, 5), st.integers(0, 2))
 def test_admission_invariants(events, num_slots, reserve):
     """Random arrivals (group, then maybe finish the oldest running): slots are never
-    oversubscribed, a waiting group holding no slot is never passed over while a slot is free,
-    and within a group choices start in arrival order."""
+    oversubscribed, a waiting group holding no slot is never passed over while more than the
+    reserve is free, a lone request never while any slot is free, and within a group choices
+    start in arrival order."""
     s = make(num_slots=num_slots, max_waiting=100, reserved_slots=reserve)
     started: dict[str, list[int]] = {}
     for i, (group, finish) in enumerate(events):
@@ -175,7 +179,12 @@ def test_admission_invariants(events, num_slots, reserve):
             started.setdefault(n.rid[0], []).append(int(n.rid[1:]))
         assert len(s.running) <= num_slots
         held = {r.group for r in s.running.values()}
+        waiting = list(s.waiting)
+        if s.free_slots > min(reserve, num_slots - 1):
+            assert all(r.group in held for r in waiting)
         if s.free_slots > 0:
-            assert all(r.group in held for r in s.waiting)
+            lone = [r for r in waiting if r.group not in held
+                    and sum(w.group == r.group for w in waiting) == 1]
+            assert lone == []
     for order in started.values():
         assert order == sorted(order)

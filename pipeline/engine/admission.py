@@ -7,15 +7,16 @@ Rules, applied for every free slot:
 - the group holding the fewest slots goes first; ties go to the group served least recently
   (never served first), then to the one whose oldest waiting choice arrived first: round robin
   over requests, so one with many choices cannot starve the others;
-- the last `reserved_slots` free slots go only to a group holding none, so a newcomer never
-  waits for a whole generation behind a fan-out that filled the other slots.
+- the last `reserved_slots` free slots go only to a lone request (a group holding no slot with
+  one choice waiting), so a newcomer never waits for a whole generation behind fan-outs that
+  filled the other slots (a second fan-out arriving would otherwise take the reserve first).
 Within a group choices are admitted in arrival order.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 
@@ -65,9 +66,12 @@ class FairQueue:
         now (`held` is updated as slots are handed out)."""
         out: list[Waiting] = []
         while free_slots > 0 and self._groups:
-            group = min(self._groups, key=lambda g: self._order(g, held))
-            if held[group] > 0 and free_slots <= self.reserved_slots:
-                break  # every waiting group already holds a slot: keep the reserve
+            groups: Iterable[str] = self._groups
+            if free_slots <= self.reserved_slots:
+                groups = [g for g in self._groups if held[g] == 0 and len(self._groups[g]) == 1]
+                if not groups:
+                    break  # keep the reserve for a lone request
+            group = min(groups, key=lambda g: self._order(g, held))
             req = self._groups[group].popleft()
             self._served[group] = self._admissions
             self._admissions += 1
