@@ -168,14 +168,16 @@ class OutputProcessor:
         get = self._requests.get
         states = [get(r) for r in cols.rids]
         dropped = 0
+        step_id = cols.step
+        want_lp = False
         for i, st in enumerate(states):
-            if st is None or cols.step <= st.last_step:
+            if st is None or step_id <= st.last_step:
                 dropped += 1
                 continue
             live.append((i, st))
             n_lp = st.params.logprobs
             if n_lp is not None:
-                step.want_lp = True
+                want_lp = True
                 if n_lp:
                     tops.append((i, n_lp))
             if (
@@ -184,7 +186,8 @@ class OutputProcessor:
                 or offs[i + 1] - offs[i] >= st.rules.max_new_tokens - len(st.output_ids)
             ):
                 slow.append((i, st))
-        if step.want_lp and cols.logprobs is None:
+        step.want_lp = want_lp
+        if want_lp and cols.logprobs is None:
             raise ProtocolError("a request in the step asked for logprobs; the step has none")
         if tops:
             self._check_top(cols, tops)
@@ -342,6 +345,8 @@ def _delta(
     """The one place a RequestOutput is built: this step's ids, text and logprobs; the finish and
     the cumulative statistics as the request's state holds them."""
     stats = st.stats
+    status = st.status
+    finished = status is not RequestStatus.RUNNING
     # Positional, in field order: keywords to a dataclass constructor cost ~2 us more a call on
     # CPython 3.11 (measured), about half the ids path's per-request cost. test_output checks
     # every field by name.
@@ -351,8 +356,8 @@ def _delta(
         text,  # text
         logprobs,  # logprobs
         top_logprobs,  # top_logprobs
-        st.status is not RequestStatus.RUNNING,  # finished
-        st.finish_reason,  # finish_reason
+        finished,  # finished
+        status.value if finished else None,  # finish_reason (RequestState.finish_reason)
         st.finish_kind,  # finish_kind
         st.matched_stop,  # matched_stop
         st.finished_len,  # finished_len

@@ -160,42 +160,42 @@ class WindowText:
 
 
 def decode_windows(detok: Detokenizer, reqs: list[TextRequest]) -> list[WindowText]:
-    """Decode every request's window in one batch and apply the committed-text rule."""
+    """Decode every request's window in one batch and apply the committed-text rule (the one
+    place it is computed; see the module docstring)."""
     context_free = detok.context_free
     byte_tokens = detok.byte_tokens
     seqs: list[list[int]] = []
     skips: list[bool] = []
-    layout: list[tuple[int, int]] = []  # per request: index of its decode, of its run-less decode
+    runs: list[int] = []  # per request: index of its decode without the trailing byte run, or -1
     for ts, ids, window, skip in reqs:
         p = ts.prefix_offset
         seq = ids[p:].tolist() + window if p < len(ids) else window
-        layout_at = len(seqs)
         seqs.append(seq)
         skips.append(skip)
-        if not context_free:
+        if not context_free:  # the context alone, right after the sequence
             seqs.append(ids[p : ts.read_offset].tolist())
             skips.append(skip)
-        run_at = -1
         if byte_tokens and seq and seq[-1] in byte_tokens:
-            run_at = len(seqs)
+            runs.append(len(seqs))
             seqs.append(seq[: len(seq) - detok.trailing_byte_run(seq)])
             skips.append(skip)
-        layout.append((layout_at, run_at))
+        else:
+            runs.append(-1)
     decoded = detok.decode_batch(seqs, skips)
     out = []
-    for (ts, _, window, _), (at, run_at) in zip(reqs, layout):
+    at = 0
+    for (ts, _, window, _), run_at in zip(reqs, runs):
         full = decoded[at]
         base = ts.extra if context_free else len(decoded[at + 1]) + ts.extra
-        stable = _committed(full, decoded[run_at] if run_at >= 0 else None)
+        # Committed: all but a trailing U+FFFD run, and none of a trailing byte run's text.
+        stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
+        if run_at >= 0:
+            stable = min(stable, len(decoded[run_at]))
+            at = run_at + 1
+        else:
+            at += 1 if context_free else 2
         out.append(WindowText(window, full, base, stable, full[base:stable] if stable > base else ""))
     return out
-
-
-def _committed(full: str, without_run: str | None) -> int:
-    """The committed-text rule: characters of `full` committed, given the decode of the same ids
-    without their trailing byte-fallback run (None when they end in no such run)."""
-    stable = len(full.rstrip(REPLACEMENT)) if full.endswith(REPLACEMENT) else len(full)
-    return stable if without_run is None else min(stable, len(without_run))
 
 
 def find_stop(
@@ -242,10 +242,8 @@ def _locate(
 
 
 def committed_len(detok: Detokenizer, seq: list[int], skip: bool) -> int:
-    """Characters of `decode(seq)` committed (`_committed`, for one sequence)."""
-    run = detok.trailing_byte_run(seq) if detok.byte_tokens else 0
-    without_run = detok.decode(seq[: len(seq) - run], skip) if run else None
-    return _committed(detok.decode(seq, skip), without_run)
+    """Characters of `decode(seq)` committed (the rule as `decode_windows` applies it)."""
+    return decode_windows(detok, [(TextState(), array("i"), seq, skip)])[0].stable
 
 
 def stop_text(ts: TextState, wt: WindowText, match: StopMatch, include_stop: bool) -> str:
