@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,10 @@ MAX_GRAMMAR_CHARS = 64 << 10  # one request's grammar source; bigger ones are re
 
 # One LLTokenizer per tokenizer object (building one takes ~1 s for a 50k vocabulary).
 _LLTOKENIZERS: weakref.WeakKeyDictionary[Any, LLTokenizer] = weakref.WeakKeyDictionary()
+# Per tokenizer, fresh matchers of the most recently used grammars (requests repeat schemas).
+_TEMPLATES: weakref.WeakKeyDictionary[Any, OrderedDict[str, LLMatcher]] = (
+    weakref.WeakKeyDictionary())
+MAX_TEMPLATES = 256
 
 
 def lltokenizer(tokenizer: Any) -> LLTokenizer:
@@ -87,7 +92,16 @@ class Grammar:
     def matcher(self, tokenizer: Any) -> LLGuidanceMatcher:
         if tokenizer is None:
             raise ValueError("grammar: a grammar-constrained request needs a tokenizer")
-        return LLGuidanceMatcher(LLMatcher(lltokenizer(tokenizer), self.compiled, log_level=0))
+        templates = _TEMPLATES.setdefault(tokenizer, OrderedDict())
+        template = templates.get(self.compiled)
+        if template is None:  # building a matcher parses the grammar (ms); a copy is cheap
+            template = templates[self.compiled] = LLMatcher(lltokenizer(tokenizer), self.compiled,
+                                                            log_level=0)
+            if len(templates) > MAX_TEMPLATES:
+                templates.popitem(last=False)
+        else:
+            templates.move_to_end(self.compiled)
+        return LLGuidanceMatcher(template.deep_copy())
 
 
 def compile_grammar(kind: str, source: Any, tokenizer: Any) -> Grammar:
