@@ -176,6 +176,42 @@ def test_grammar_and_stop_string_at_the_same_token_report_the_stop_string():
     assert (out.matched_stop, out.finished_len, out.text) == ("ab", 2, "")
 
 
+@pytest.mark.parametrize(
+    ("params", "window", "kind", "matched"),
+    [
+        (SamplingParams(max_new_tokens=9), [byte_id(ord("a")), EOS], "eos", EOS),
+        # an EOS id the request also lists in stop_token_ids is its stop token, not "eos"
+        (SamplingParams(max_new_tokens=9, stop_token_ids=[EOS]), [EOS], "stop_token", EOS),
+        (SamplingParams(max_new_tokens=9, stop_token_ids=[STOP]), [STOP], "stop_token", STOP),
+        (SamplingParams(max_new_tokens=9, stop=["b"]), text_ids(TINY, "abc"), "stop_string", "b"),
+        (SamplingParams(max_new_tokens=2), text_ids(TINY, "abc"), "length", None),
+        (SamplingParams(max_new_tokens=9, grammar=choice_grammar([[byte_id(ord("a"))]])),
+         text_ids(TINY, "ab"), "grammar", None),
+    ],
+)
+def test_finish_kind_names_what_ended_the_request(params, window, kind, matched):
+    [out] = step(proc_with(params), 0, {"r": (0, window)})
+    assert (out.finished, out.finish_kind, out.matched_stop) == (True, kind, matched)
+    assert out.finish_reason == ("length" if kind == "length" else "stop")
+
+
+def test_a_running_delta_has_no_finish_and_an_abort_has_finish_kind_abort():
+    proc = proc_with(SamplingParams(max_new_tokens=9, logprobs=0))
+    [out] = step(proc, 3, {"r": (0, text_ids(TINY, "ab"))}, extra_drafts=2)
+    # every field by name (the processor builds deltas positionally, for speed)
+    assert dataclasses.asdict(out) == {
+        "rid": "r", "token_ids": text_ids(TINY, "ab"), "text": "ab",
+        "logprobs": [token_logprob(0, byte_id(ord("a"))), token_logprob(1, byte_id(ord("b")))],
+        "top_logprobs": None, "finished": False, "finish_reason": None, "finish_kind": None,
+        "matched_stop": None, "finished_len": None, "finish_step": None,
+        "spec_verify_ct": 1, "spec_accepted_tokens": 1, "spec_acceptance_histogram": [0, 1],
+        "spec_draft_tokens": 3,
+    }  # fmt: skip
+    end = proc.abort("r")
+    assert (end.finished, end.finish_reason, end.finish_kind, end.finished_len) == (
+        True, "abort", "abort", 2)  # fmt: skip
+
+
 # -- logprob boundary ----------------------------------------------------------------------------
 
 

@@ -170,7 +170,8 @@ class EngineCore:
         delta = None
         if req is not None and self.dead_reason is None:
             delta = await self.stages.abort(rid)
-        stream.put(delta or RequestOutput(rid, finished=True, finish_reason="abort"))
+        stream.put(delta or RequestOutput(rid, finished=True, finish_reason="abort",
+                                          finish_kind="abort"))
         self._wake.set()
 
     # --- the loop ---------------------------------------------------------------------------

@@ -6,7 +6,6 @@ Used by fast tests and benchmarks; TP needs one process per rank, so it is Ray-o
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import EngineConfig
@@ -15,7 +14,7 @@ from pipeline.draft.step import build_proposer, draft_step
 from pipeline.engine.core import EngineCore
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.grammar.tracker import GrammarTracker
-from pipeline.output.request_output import RequestOutput
+from pipeline.output.request_output import Completion, RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.verify.verifier import Verifier
 
@@ -72,40 +71,13 @@ def build_local_engine(config: EngineConfig, runner: Any = None, proposer: Propo
     return EngineCore(config, stages, runner.vocab_size)
 
 
-@dataclass
-class Completion:
-    """A request's deltas folded together (for tests, the CLI and benchmarks)."""
-
-    rid: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    matched_stop: int | str | None
-    logprobs: list[float] | None
-    last: RequestOutput
-
-
-def fold(deltas: list[RequestOutput]) -> Completion:
-    tokens: list[int] = []
-    text = ""
-    logprobs: list[float] | None = None
-    for d in deltas:
-        tokens += d.token_ids
-        text += d.text
-        if d.logprobs is not None:
-            logprobs = (logprobs or []) + list(d.logprobs)
-    last = deltas[-1]
-    return Completion(last.rid, tokens, text, last.finish_reason, last.matched_stop, logprobs,
-                      last)
-
-
 async def collect(core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]]
                   ) -> dict[str, Completion]:
     """Submit all requests, run until each finished, fold their deltas."""
 
     async def one(rid: str, prompt: list[int], params: SamplingParams) -> Completion:
         stream = await core.add_request(rid, prompt, params)
-        return fold([d async for d in stream])
+        return Completion.fold([d async for d in stream])
 
     core.start()
     results = await asyncio.gather(*(one(*r) for r in requests))
