@@ -105,19 +105,40 @@ def step_cost(size: int, steps: int, k: int, seed: int) -> dict:
     }
 
 
-def rss_growth(requests: int, seed: int, config: EngineConfig, batch: int = 8) -> dict:
-    """Drive the draft actor's class (no Ray) with step plans: `batch` requests in flight,
-    4 tokens committed per step, finished ones released (which feeds the global index)."""
+def rss_growth(requests: int, seed: int, config: EngineConfig, use_ray: bool = False,
+               batch: int = 8) -> dict:
+    """Drive the draft actor with step plans: `batch` requests in flight, 4 tokens committed
+    per step, finished ones released (which feeds the global index). `use_ray`: the real Ray
+    actor (its own process, RSS read inside it); otherwise its class in this process."""
     from actors.draft import DraftWorker
 
-    worker = DraftWorker(config)
-    index = worker.proposer.global_index
+    if use_ray:
+        import ray
+
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+        actor = ray.remote(DraftWorker).remote(config)
+
+        def propose(plan: StepPlan) -> None:
+            ray.get(actor.propose.remote(plan))
+
+        def rss() -> float:
+            return ray.get(actor.__ray_call__.remote(lambda _self: rss_mb()))
+
+        def index_stats() -> dict:
+            return ray.get(actor.__ray_call__.remote(lambda w: _index_stats(w.proposer)))
+    else:
+        worker = DraftWorker(config)
+        propose, rss = worker.propose, rss_mb
+
+        def index_stats() -> dict:
+            return _index_stats(worker.proposer)
+
     traffic = Traffic(seed)
     live: dict[str, list[int]] = {}  # rid -> output tokens still to commit
     release: list[str] = []
     started = finished = step = 0
     marks: dict[int, float] = {}
-    start_rss = rss_mb()
+    start_rss = rss()
     while finished < requests:
         plan = StepPlan(step=step, release=release)
         release = []
@@ -132,19 +153,27 @@ def rss_growth(requests: int, seed: int, config: EngineConfig, batch: int = 8) -
                 del live[rid]
                 finished += 1
                 if finished % max(1, requests // 5) == 0:
-                    marks[finished] = round(rss_mb(), 1)
+                    marks[finished] = round(rss(), 1)
         while len(live) < batch and started < requests:
             prompt, out = traffic.request(out_len=int(traffic.rng.integers(16, 256)))
             rid = f"r{started}"
             plan.new.append(NewRequest(rid, prompt, GREEDY))
             live[rid] = out
             started += 1
-        worker.propose(plan)
+        propose(plan)
         step += 1
-    return {"requests": requests, "steps": step, "rss_mb_start": round(start_rss, 1),
-            "rss_mb_after": marks, "index_tokens": len(index), "index_requests": index.num_runs,
-            "limit_tokens": config.suffix_global_tokens,
-            "limit_requests": config.suffix_global_requests,
+    out = {"ray_actor": use_ray, "requests": requests, "steps": step,
+           "rss_mb_start": round(start_rss, 1), "rss_mb_after": marks, **index_stats(),
+           "limit_tokens": config.suffix_global_tokens,
+           "limit_requests": config.suffix_global_requests}
+    if use_ray:
+        ray.shutdown()
+    return out
+
+
+def _index_stats(proposer: SuffixProposer) -> dict:
+    index = proposer.global_index
+    return {"index_tokens": len(index), "index_requests": index.num_runs,
             "index_mb": round(index.nbytes / 2**20, 1)}
 
 
@@ -155,11 +184,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ray", action="store_true", help="RSS of a real Ray draft actor")
+    ap.add_argument("--rss-only", action="store_true")
     args = ap.parse_args()
-    report = {"step_cost": [step_cost(s, args.steps, args.k, args.seed) for s in args.sizes]}
+    report = {} if args.rss_only else {
+        "step_cost": [step_cost(s, args.steps, args.k, args.seed) for s in args.sizes]}
     config = load_config(None, {"draft": "suffix", "num_speculative_tokens": args.k,
                                 "max_model_len": 4096})
-    report["rss"] = rss_growth(args.requests, args.seed, config)
+    report["rss"] = rss_growth(args.requests, args.seed, config, args.ray)
     print(json.dumps(report, indent=1))
 
 
