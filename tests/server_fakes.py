@@ -86,7 +86,8 @@ class FakeEngine:
     async def _outputs(self, rid: str, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if self.hang:
             await asyncio.Event().wait()
-        tokens, end, reason, matched, text_end = self._finish(params)
+        tokens, end, kind, matched, text_end = self._finish(params)
+        reason = "length" if kind == "length" else "stop"
         tok = ByteTok()
         sent_text, hist = 0, [0] * (self.window)
         for start in range(0, end, self.window):
@@ -108,25 +109,27 @@ class FakeEngine:
             yield RequestOutput(
                 rid=rid, token_ids=chunk, text=text, logprobs=lps, top_logprobs=top,
                 finished=done, finish_reason=reason if done else None,
-                matched_stop=matched if done else None, finished_len=end if done else None,
+                finish_kind=kind if done else None, matched_stop=matched if done else None, finished_len=end if done else None,
                 spec_verify_ct=n_verify, spec_accepted_tokens=start + len(chunk) - n_verify,
                 spec_acceptance_histogram=list(hist),
                 spec_draft_tokens=n_verify * (self.window - 1))
         self.finished.append(rid)
 
     def _finish(self, p: SamplingParams) -> tuple[list[int], int, str, Any, int]:
-        """(tokens, finished_len, reason, matched, text length) by the normative finish order."""
+        """(tokens, finished_len, finish kind, matched, text length) by the normative finish
+        order."""
         tokens = self.stream_tokens(p)[: p.max_new_tokens]
         tok = ByteTok()
         for i, t in enumerate(tokens):
             if i >= p.min_new_tokens and (t in p.stop_token_ids or (t == EOS and not p.ignore_eos)):
-                return tokens, i + 1, "stop", t, len(tok.decode(tokens[: i + 1]))
+                kind = "stop_token" if t in p.stop_token_ids else "eos"
+                return tokens, i + 1, kind, t, len(tok.decode(tokens[: i + 1]))
             text = tok.decode(tokens[: i + 1])
             for s in p.stop:
                 at = text.find(s)
                 if at >= 0:
                     keep = at + len(s) if p.include_stop_str_in_output else at
-                    return tokens, i + 1, "stop", s, keep
+                    return tokens, i + 1, "stop_string", s, keep
         return tokens, len(tokens), "length", None, len(tok.decode(tokens))
 
     async def abort(self, rid: str) -> None:

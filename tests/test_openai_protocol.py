@@ -161,13 +161,19 @@ def test_seeds_are_derived_per_choice():
     assert reqs.choice_seed(None, 3) is None
 
 
-def test_stop_reason_follows_vllm():
-    eos = frozenset({2})
-    assert resp.stop_reason("##", "stop", eos, []) == "##"
-    assert resp.stop_reason(9, "stop", eos, [9]) == 9
-    assert resp.stop_reason(2, "stop", eos, []) is None  # EOS is not a stop reason
-    assert resp.stop_reason(2, "stop", eos, [2]) == 2  # unless asked for explicitly
-    assert resp.stop_reason(None, "length", eos, []) is None
+@pytest.mark.parametrize(("kind", "matched", "expected"), [
+    ("stop_string", "##", "##"),
+    ("stop_token", 9, 9),  # also an EOS id the request listed in stop_token_ids
+    ("eos", 2, None),  # EOS is not a stop reason
+    ("grammar", None, None),
+    ("length", None, None),
+    ("abort", None, None),
+])
+def test_stop_reason_follows_vllm(kind, matched, expected):
+    c = resp.ChoiceState(index=0)
+    c.add(RequestOutput("r", finished=True, finish_reason="length" if kind == "length" else "stop",
+                        finish_kind=kind, matched_stop=matched))
+    assert resp.stop_reason(c) == expected
 
 
 def test_choice_state_accumulates_deltas_and_keeps_cumulative_spec_stats():

@@ -70,7 +70,6 @@ class ModelInfo:
     root: str | None
     vocab_size: int
     max_model_len: int
-    eos_token_ids: frozenset[int]
 
     @classmethod
     def from_engine(cls, info: dict[str, Any], served_name: str | None) -> ModelInfo:
@@ -78,8 +77,7 @@ class ModelInfo:
         names = {served, info.get("name"), info.get("source")}
         return cls(served_name=served, names=frozenset(n for n in names if n),
                    root=info.get("source") or info.get("name"),
-                   vocab_size=int(info["vocab_size"]), max_model_len=int(info["max_model_len"]),
-                   eos_token_ids=frozenset(int(t) for t in info.get("eos_token_ids", [])))
+                   vocab_size=int(info["vocab_size"]), max_model_len=int(info["max_model_len"]))
 
 
 class Server:
@@ -174,8 +172,7 @@ class Server:
             n_choices=len(jobs), prompt_tokens=sum(len(p) for p in prompts),
             want_logprobs=jobs[0].params.logprobs is not None,
             include_usage=bool(req.stream and req.stream_options
-                               and req.stream_options.include_usage),
-            stop_token_ids=req.stop_token_ids or [], eos_token_ids=info.eos_token_ids)
+                               and req.stream_options.include_usage))
         run = self._start_run(request, shape.rid, jobs)
         writer = ResponseWriter(shape, run, self.metrics, self.tok.token_str, t0)
         if not req.stream:

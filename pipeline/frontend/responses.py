@@ -8,63 +8,26 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from pipeline.output.request_output import RequestOutput
+from pipeline.output.request_output import Completion
 
 TokenStr = Callable[[int], str]  # token id -> its text, for logprob tables
 
 
 @dataclass
-class ChoiceState:
-    """One choice's output so far, accumulated from RequestOutput deltas."""
+class ChoiceState(Completion):
+    """One choice's output so far: its deltas folded (`Completion.add`), and its index."""
 
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    spec_verify_ct: int = 0
-    spec_accepted_tokens: int = 0
-    spec_acceptance_histogram: list[int] = field(default_factory=list)
-    spec_draft_tokens: int = 0
-
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.text
-        self.token_ids += out.token_ids
-        if out.logprobs is not None:
-            self.logprobs += out.logprobs
-        if out.top_logprobs is not None:
-            self.top_logprobs += out.top_logprobs
-        self.spec_verify_ct = out.spec_verify_ct
-        self.spec_accepted_tokens = out.spec_accepted_tokens
-        self.spec_acceptance_histogram = list(out.spec_acceptance_histogram)
-        self.spec_draft_tokens = out.spec_draft_tokens
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.matched_stop = out.matched_stop
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def spec_stats(self) -> dict[str, Any]:
-        return {"verify_ct": self.spec_verify_ct, "accepted_tokens": self.spec_accepted_tokens,
-                "acceptance_histogram": self.spec_acceptance_histogram,
-                "draft_tokens": self.spec_draft_tokens}
+    index: int = 0
 
 
-def stop_reason(matched: int | str | None, finish_reason: str | None,
-                eos_token_ids: frozenset[int] | set[int], stop_token_ids: list[int]) -> Any:
-    """vLLM's `stop_reason`: the stop string or stop token id; None for EOS or length."""
-    if finish_reason != "stop" or matched is None:
-        return None
-    if isinstance(matched, int) and matched in eos_token_ids and matched not in stop_token_ids:
-        return None
-    return matched
+def stop_reason(c: Completion) -> Any:
+    """vLLM's `stop_reason`: the stop string or stop token id that ended the choice; None for EOS
+    (an EOS id not also in stop_token_ids), grammar, length or abort. Which kind ended it is the
+    output stage's decision (RequestOutput.finish_kind)."""
+    return c.matched_stop if c.finish_kind in ("stop_token", "stop_string") else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -31,8 +31,6 @@ class ResponseShape:
     prompt_tokens: int
     want_logprobs: bool
     include_usage: bool  # streams: a final usage chunk, and "usage": null on the others
-    stop_token_ids: list[int]
-    eos_token_ids: frozenset[int]
 
 
 class ResponseWriter:
@@ -70,8 +68,7 @@ class ResponseWriter:
                                         out.spec_accepted_tokens)
 
     def stop_reason(self, c: resp.ChoiceState) -> Any:
-        return resp.stop_reason(c.matched_stop, c.finish_reason, self.shape.eos_token_ids,
-                                self.shape.stop_token_ids)
+        return resp.stop_reason(c)
 
     def _logprobs(self, token_ids: list[int], lps: list[float] | None,
                   top: list | None, offset: int) -> dict | None:
