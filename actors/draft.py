@@ -7,12 +7,12 @@ from pipeline.draft.base import Proposal
 from pipeline.draft.step import build_proposer, draft_step
 from pipeline.engine.step_plan import StepPlan
 from pipeline.grammar.tracker import GrammarTracker
-from pipeline.models.runners import load_engine_tokenizer
+from pipeline.models.runners import load_engine_tokenizer, set_torch_threads
 
 
 class DraftWorker:
     def __init__(self, config: EngineConfig) -> None:
-        _set_threads(config)
+        set_torch_threads(config)
         self.proposer = build_proposer(config)
         self.grammars = GrammarTracker(lambda: load_engine_tokenizer(config))
 
@@ -21,10 +21,3 @@ class DraftWorker:
 
     def ping(self) -> bool:
         return True
-
-
-def _set_threads(config: EngineConfig) -> None:
-    if config.torch_threads is not None:
-        import torch
-
-        torch.set_num_threads(config.torch_threads)

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import socket
 
-from actors.draft import _set_threads
 from pipeline.config import EngineConfig
 from pipeline.draft.base import Proposal
 from pipeline.engine.step_plan import StepOutcome, StepPlan
+from pipeline.models.runners import set_torch_threads
 from pipeline.verify.verifier import Verifier
 
 
 class TargetVerifier:
     def __init__(self, config: EngineConfig, rank: int) -> None:
-        _set_threads(config)
+        set_torch_threads(config)
         self.config = config
         self.rank = rank
         self.verifier: Verifier | None = None

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import pipeline.tokenizer
 from pipeline.models.config import ModelConfig
 from pipeline.models.llama import LlamaModel
 
@@ -60,10 +61,10 @@ def load_model(path: str, dtype: str | torch.dtype = torch.float32,
         raise FileNotFoundError(f"model path does not exist: {path}")
     if os.path.isdir(path):
         config, tensors = read_hf_folder(path)
-        tokenizer = _hf_tokenizer(path) if load_tokenizer else None
+        tokenizer = _tokenizer(path) if load_tokenizer else None
     elif path.endswith(".gguf"):
         config, tensors = read_gguf(path)
-        tokenizer = _gguf_tokenizer(path) if load_tokenizer else None
+        tokenizer = _tokenizer(path) if load_tokenizer else None
     else:
         raise ValueError(f"not a model: {path} (expected a .gguf file or a Hugging Face folder)")
     model = build_model(config, tensors, dtype)
@@ -130,13 +131,13 @@ def read_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def _hf_tokenizer(path: str) -> Any | None:
+def _tokenizer(path: str) -> Any | None:
+    """The tokenizer that comes with the weights (pipeline.tokenizer.load_tokenizer); None for a
+    folder without tokenizer files."""
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, n)) for n in names):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return pipeline.tokenizer.load_tokenizer(path)
 
 
 # --- GGUF ------------------------------------------------------------------------------
@@ -246,10 +247,3 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             w = unpermute_rope_rows(w, config.num_kv_heads if kv else config.num_heads)
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
     return config, tensors
-
-
-def _gguf_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                         gguf_file=os.path.basename(path), local_files_only=True)

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pipeline.config import EngineConfig, is_tiny, resolve_source
 from pipeline.models.runner import ModelRunner
+
+
+def set_torch_threads(config: EngineConfig) -> None:
+    """Apply `torch_threads` in this process (each stage actor calls it before building)."""
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
 
 
 def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
