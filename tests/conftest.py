@@ -41,6 +41,18 @@ def smollm2_tokenizer(smollm2_path):
     )
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures(...)`): the engine
+    tests run many tiny forwards, where thread hand-offs cost more than they save."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for every Ray test of the session."""

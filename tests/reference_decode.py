@@ -1,7 +1,10 @@
-"""Plain target-only greedy decoding, one token per forward: the yardstick speculative output is
-compared against (tests, benchmarks). Deliberately shares no code with the engine loop."""
+"""The references tests compare against: plain target-only greedy decoding, one token per forward
+(the yardstick for speculative output; deliberately shares no code with the engine loop), and a
+chi-square goodness-of-fit p-value for the samplers' distribution tests."""
 
 from __future__ import annotations
+
+import torch
 
 from pipeline.models.runner import ModelRunner
 
@@ -18,3 +21,17 @@ def greedy_reference(runner: ModelRunner, prompt_ids: list[int], num_tokens: int
         return out
     finally:
         runner.free(slot)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit of `counts` [V] to `probs` [V]; 0 if a token of
+    probability 0 was seen. p-value = upper regularised incomplete gamma (no scipy needed)."""
+    counts, probs = counts.double(), probs.double()
+    support = probs > 0
+    if bool((counts[~support] > 0).any()):
+        return 0.0
+    expected = probs[support] / probs[support].sum() * counts.sum()
+    assert float(expected.min()) >= 5, "test design: expected counts too small for chi-square"
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = torch.tensor(float(int(support.sum()) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, stat / 2))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from reference_decode import chi2_pvalue
 
 from pipeline.params import SamplingParams
 from pipeline.sampling import SamplingTensors, process_logits, sample_from_weights
@@ -218,20 +219,6 @@ def _make_batch(case: Case, gen: torch.Generator):
     return _log(case.target).expand(N, -1, -1), p, q, drafts, num_drafts
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of `counts` [V] against `probs` [V] (0 when a token of
-    probability 0 appears), via the regularised upper incomplete gamma."""
-    counts, probs = counts.double(), probs.double()
-    support = probs > 0
-    if bool((counts[~support] > 0).any()):
-        return 0.0
-    expected = probs[support] / probs[support].sum() * counts.sum()
-    assert float(expected.min()) >= 5, "test design: expected counts too small"
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    dof = torch.tensor(float(int(support.sum()) - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(dof / 2, stat / 2))
-
-
 def lossless_pvalues(
     tokens: torch.Tensor,  # [N, 3]
     num_tokens: torch.Tensor,  # [N]
@@ -243,7 +230,7 @@ def lossless_pvalues(
     for j in range(3):
         rows = num_tokens > j
         if int(rows.sum()) >= 1000:
-            out.append(_chi2_pvalue(torch.bincount(tokens[rows, j], minlength=V), p[j]))
+            out.append(chi2_pvalue(torch.bincount(tokens[rows, j], minlength=V), p[j]))
     return out
 
 
@@ -303,7 +290,7 @@ def test_seeded_rows_are_lossless_too():
         [3] * n, q.expand(n, 1, -1),
     )  # fmt: skip
     counts = torch.bincount(res.token_ids[:, 0], minlength=V)
-    assert _chi2_pvalue(counts, torch.tensor(P[0])) > 1e-3
+    assert chi2_pvalue(counts, torch.tensor(P[0])) > 1e-3
 
 
 def _wrong_rule(drafts, num_drafts, p, q, u_acc, u_samp, variant: str):

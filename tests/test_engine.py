@@ -8,7 +8,6 @@ import os
 import time
 
 import pytest
-import torch
 from reference_decode import greedy_reference
 
 from pipeline.config import load_config
@@ -18,7 +17,7 @@ from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.models.runners import build_runner, tiny_tokenizer
 from pipeline.params import SamplingParams
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
 CONFIG = "configs/tiny.yaml"
 # scripts/gpu_check.sh runs these on a GPU: SPECRELAY_TEST_DEVICE=cuda, SPECRELAY_TEST_DTYPE,
@@ -39,14 +38,6 @@ PROMPTS = [
     [77, 78, 77, 78, 77],
 ]
 TOK = tiny_tokenizer()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

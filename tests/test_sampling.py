@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from reference_decode import chi2_pvalue
 
 from pipeline.params import SamplingParams
 from pipeline.sampling import (
@@ -37,20 +38,6 @@ def _process(logits, temperature=1.0, top_k=-1, top_p=1.0):
         torch.full((rows,), top_k, dtype=torch.int64),
         torch.full((rows,), top_p),
     )
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit of `counts` [V] to `probs` [V]; 0 if a token of
-    probability 0 was seen. p-value = upper regularised incomplete gamma (no scipy needed)."""
-    counts, probs = counts.double(), probs.double()
-    support = probs > 0
-    if bool((counts[~support] > 0).any()):
-        return 0.0
-    expected = probs[support] / probs[support].sum() * counts.sum()
-    assert float(expected.min()) >= 5, "test design: expected counts too small for chi-square"
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    dof = torch.tensor(float(int(support.sum()) - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(dof / 2, stat / 2))
 
 
 # -- processed distribution ------------------------------------------------------------------

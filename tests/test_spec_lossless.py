@@ -10,8 +10,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from reference_decode import greedy_reference
-from test_sampling import chi2_pvalue
+from reference_decode import chi2_pvalue, greedy_reference
 
 from pipeline.config import load_config
 from pipeline.engine.local import LocalStages, build_local_engine
@@ -20,19 +19,11 @@ from pipeline.params import SamplingParams
 from pipeline.sampling import process_logits
 from pipeline.verify import acceptance
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 CONFIG = "configs/tiny.yaml"
 PROMPT = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31, 32]  # n-gram drafts get rejected
 TOK = tiny_tokenizer()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import load_config
@@ -15,18 +14,10 @@ from pipeline.engine.local import build_local_engine, collect
 from pipeline.frontend.metrics import ServerMetrics
 from pipeline.params import SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 CONFIG = "configs/tiny.yaml"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3] * 20, [77, 78, 77, 78, 77], [100, 101]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(overrides: dict, requests: list) -> tuple[dict, dict]:

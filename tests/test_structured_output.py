@@ -27,7 +27,7 @@ from pipeline.protocol import VerifyStep, encode
 from pipeline.sampling import SamplingTensors, process_logits
 from pipeline.verify.acceptance import accept
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 CONFIG = "configs/tiny.yaml"
 TOK = tiny_tokenizer()
@@ -43,14 +43,6 @@ SCHEMAS = [
 ]
 REGEX = r"[a-z]{2,6}-[0-9]{2}"
 CHOICES = ["alpha", "beta", "gamma"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def constrained_requests(n: int) -> list[tuple[str, list[int], SamplingParams, tuple]]:
