@@ -53,7 +53,9 @@ def completion(base: str, body: dict, headers: dict | None = None, timeout: floa
                first_chunk: Any = None) -> Outcome:
     """POST /v1/completions (JSON or SSE); `first_chunk` (a threading.Event) is set on the
     first streamed chunk."""
-    n = body.get("n", 1)
+    prompt = body.get("prompt")
+    batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    n = body.get("n", 1) * (len(prompt) if batched else 1)  # choices
     if not body.get("stream"):
         r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=timeout)
         out = Outcome(r.status_code, n, False, body=r.json())

@@ -1,6 +1,6 @@
 """A bounded soak on the real service: an open-loop mix at ~1.2x measured capacity (streaming and
-not, n = 1 or 2, stop strings, logprobs, random client disconnects) for SPECRELAY_SOAK_S seconds
-(default 120).
+not, n = 1 or 2, stop strings, logprobs, random client disconnects) plus a fan-out client (2
+prompts x n = 2 per request, back to back) for SPECRELAY_SOAK_S seconds (default 120).
 
 Checks: every request sent is exactly one of completed / rejected (429) / errored / dropped by
 its own client, with errored == 0; every response ended each choice exactly once; every
@@ -40,6 +40,8 @@ RSS_TOLERANCE = (0.10, 48 << 20)
 HEALTH_BOUND_MS = 3000
 PROMPTS = ["The quick brown fox", "Once upon a time", "hello", "0123456789", "a b c d e f"]
 STOPS = ["e", "th", "o ", "xyz", "\n"]
+# The fan-out client: every request is 4 choices, as many as the slots.
+FAN_OUT = {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 32, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +142,21 @@ def test_soak_at_1_2x_capacity_keeps_every_invariant(base):
                 max_waiting_seen[0] = max(max_waiting_seen[0], engine_stats(APP)["waiting"])
                 time.sleep(0.5)
 
+    fan_outs: list[str] = []
+
+    def fan_out_client():
+        while not stop.is_set():
+            out = completion(base, FAN_OUT, timeout=120)
+            out.check_one_terminal_each()
+            fan_outs.append("rejected" if out.status == 429 else
+                            "completed" if out.ok else f"errored: {out.error}")
+            if out.status == 429:
+                time.sleep(0.2)
+
     results = []
     with ThreadPoolExecutor(64) as pool:
         watcher = pool.submit(watch)
+        fan_out = pool.submit(fan_out_client)
         start = time.monotonic()
         futures = []
         for at, body, give_up in schedule:
@@ -152,6 +166,7 @@ def test_soak_at_1_2x_capacity_keeps_every_invariant(base):
             results.append((body, give_up, *f.result(timeout=180)))
         stop.set()
         watcher.result(timeout=30)
+        fan_out.result(timeout=150)
 
     kinds = [k for _, _, k, _ in results]
     count = {k: kinds.count(k) for k in ("completed", "rejected", "errored", "dropped")}
@@ -161,14 +176,16 @@ def test_soak_at_1_2x_capacity_keeps_every_invariant(base):
     assert count["completed"] >= len(schedule) // 2, count
     assert max_waiting_seen[0] > 0, "the load never queued: not overloaded"
     assert health_ms and max(health_ms) < HEALTH_BOUND_MS, sorted(health_ms)[-5:]
+    assert "completed" in fan_outs and all(k in ("completed", "rejected") for k in fan_outs), \
+        [k for k in fan_outs if k.startswith("errored")][:3]
 
     # Server-side accounting agrees: every 429 a client saw was counted by the server; the
     # server may have answered 429 to a client that had already given up (dropped).
     metrics_after = httpx.get(f"{base}/metrics", timeout=10).text
     key = 'specrelay_http_requests_total{route="/v1/completions",status="429"}'
     served_429 = metric_or_zero(metrics_after, key) - metric_or_zero(metrics_before, key)
-    assert count["rejected"] <= served_429 <= count["rejected"] + count["dropped"], (
-        served_429, count)
+    rejected = count["rejected"] + fan_outs.count("rejected")
+    assert rejected <= served_429 <= rejected + count["dropped"], (served_429, count, fan_outs)
 
     stats = wait_slots_free(APP, NUM_SLOTS)
     assert stats["healthy"]
@@ -188,7 +205,9 @@ def test_soak_at_1_2x_capacity_keeps_every_invariant(base):
         if (out.text, out.terminal, out.tokens) != (again.text, again.terminal, again.tokens):
             differ.append(body)
 
-    print(f"soak: capacity {capacity:.2f} req/s, {count}, rss {rss_before >> 20} -> "
+    print(f"soak: capacity {capacity:.2f} req/s, {count}, fan-out client: "
+          f"{fan_outs.count('completed')} completed, {fan_outs.count('rejected')} rejected; "
+          f"rss {rss_before >> 20} -> "
           f"{rss_after >> 20} MiB, health max {max(health_ms):.0f} ms, "
           f"{len(differ)}/{len(streams[:40])} streams differ from their non-streamed replay")
     assert differ == [], differ[:3]
