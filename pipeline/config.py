@@ -36,9 +36,11 @@ class EngineConfig:
     # acceptance and the measured step cost (pipeline.engine.spec_control); fixed: always the most.
     speculation: str = "adaptive"
     spec_ema_alpha: float = 0.25  # weight of the newest step in the per-position acceptance EMA
-    spec_prior: float = 0.5  # acceptance assumed at a draft position not yet seen
+    spec_prior: float = 0.5  # pooled acceptance assumed before any draft has been verified
     spec_probe_every: int = 8  # steps a request spends at k = 0 before a one-draft probe
     spec_cost_decay: float = 0.97  # per-step decay of the step-cost model's past observations
+    spec_prior_weight: float = 2.0  # observations the pooled acceptance counts as per request
+    spec_pool_alpha: float = 0.05  # weight of the newest request-step in the pooled EMA
     tensor_parallel_size: int = 1
     num_slots: int = 8
     max_model_len: int = 2048
@@ -127,7 +129,8 @@ class EngineConfig:
     @property
     def spec_settings(self) -> SpecSettings:
         return SpecSettings(self.speculation, self.num_speculative_tokens, self.spec_ema_alpha,
-                            self.spec_prior, self.spec_probe_every, self.spec_cost_decay)
+                            self.spec_prior, self.spec_probe_every, self.spec_cost_decay,
+                            self.spec_prior_weight, self.spec_pool_alpha)
 
     @property
     def placement_spec(self) -> Placement:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import load_config
-from pipeline.engine.spec_control import Acceptance, CostModel, SpecController, SpecSettings
+from pipeline.engine.spec_control import (
+    Acceptance,
+    CostModel,
+    SpecController,
+    SpecSettings,
+    gains,
+)
 
 
 def controller(mode: str = "adaptive", max_k: int = 4, **kw) -> SpecController:
@@ -19,13 +25,24 @@ def trained(c: SpecController, base: float, per_row: float, steps: int = 40) -> 
         c.cost.observe(rows, 0, base + per_row * rows)
 
 
-def test_the_ema_learns_conditional_acceptance_only_at_positions_the_verifier_saw():
-    a = Acceptance([0.5, 0.5, 0.5, 0.5])
-    a.update(drafted=4, accepted=1, alpha=0.5)  # position 0 accepted, 1 rejected, 2-3 unseen
-    assert a.p == [0.75, 0.25, 0.5, 0.5]
-    a.update(drafted=1, accepted=1, alpha=0.5)  # a one-draft step accepted whole
-    assert a.p == [0.875, 0.25, 0.5, 0.5]
-    assert a.gains(3) == [0.875, 0.21875, 0.109375]
+def test_acceptance_is_a_plain_mean_then_an_ema_only_at_positions_the_verifier_saw():
+    a = Acceptance.empty(4)
+    a.update(drafted=4, accepted=1, alpha=0.25)  # position 0 accepted, 1 rejected, 2-3 unseen
+    assert (a.mean, a.seen) == ([1.0, 0.0, 0.0, 0.0], [1, 1, 0, 0])
+    for accepted in (1, 0, 0):  # one-draft steps: position 0 only
+        a.update(drafted=1, accepted=accepted, alpha=0.25)
+    assert a.mean[0] == 0.5 and a.seen == [4, 1, 0, 0]  # the mean of 1, 1, 0, 0
+    a.update(drafted=1, accepted=0, alpha=0.25)  # the fifth: weight 0.25, not 1/5
+    assert a.mean[0] == 0.375
+
+
+def test_the_estimate_blends_the_prior_with_own_evidence_and_carries_it_to_unseen_positions():
+    a = Acceptance([1.0, 0.0, 0.0, 0.0], [2, 1, 0, 0])
+    # (2 * 0.5 + 2 * 1) / 4; then the prior of position 1 is max(0.5, 0.75): (2 * 0.75) / 3
+    assert a.estimate([0.5] * 4, prior_weight=2.0) == [0.75, 0.5, 0.5, 0.5]
+    copy = Acceptance([1.0, 1.0, 0.0, 0.0], [6, 6, 0, 0])
+    assert copy.estimate([0.5] * 4, prior_weight=2.0) == [0.875, 0.96875, 0.96875, 0.96875]
+    assert gains([0.875, 0.25, 0.5], 3) == [0.875, 0.21875, 0.109375]
 
 
 def test_fixed_mode_takes_every_draft_the_caps_allow():
@@ -50,6 +67,7 @@ def test_the_cost_model_recovers_a_linear_step_time():
 def test_cheap_rows_and_good_acceptance_draft_the_most():
     c = controller()
     trained(c, base=0.05, per_row=0.001)
+    c.choose(["a"], [4])  # its state starts at its first step
     for _ in range(20):
         c.observe(["a"], [4], [5], None)  # everything accepted
     assert c.choose(["a"], [4]) == [4]
@@ -58,6 +76,7 @@ def test_cheap_rows_and_good_acceptance_draft_the_most():
 def test_a_request_that_never_gets_a_draft_accepted_gets_none():
     c = controller()
     trained(c, base=0.05, per_row=0.01)
+    c.choose(["a"], [4])  # its state starts at its first step
     for _ in range(20):
         c.observe(["a"], [4], [1], None)  # first position always rejected
     assert c.choose(["a"], [4]) == [0]
@@ -70,6 +89,7 @@ def test_expensive_rows_at_a_large_batch_keep_only_the_likely_drafts():
     trained(c, base=0.05, per_row=0.01)
     rids = [f"r{i}" for i in range(8)]
     good, bad = rids[:2], rids[2:]
+    c.choose(rids, [4] * 8)  # a request's state starts at its first step
     for _ in range(30):
         c.observe(good, [4, 4], [5, 5], None)
         c.observe(bad, [1] * 6, [1] * 6, None)
@@ -81,6 +101,7 @@ def test_expensive_rows_at_a_large_batch_keep_only_the_likely_drafts():
 def test_a_request_left_at_zero_is_probed_with_one_draft():
     c = controller(probe_every=3)
     trained(c, base=0.05, per_row=0.01)
+    c.choose(["a"], [4])  # its state starts at its first step
     for _ in range(20):
         c.observe(["a"], [4], [1], None)
     assert [c.choose(["a"], [4])[0] for _ in range(6)] == [0, 0, 1, 0, 0, 1]
@@ -89,11 +110,55 @@ def test_a_request_left_at_zero_is_probed_with_one_draft():
 def test_caps_are_respected_and_forget_resets_a_request():
     c = controller()
     trained(c, base=0.05, per_row=0.0001)
+    c.choose(["a"], [4])  # its state starts at its first step
     for _ in range(20):
         c.observe(["a"], [4], [5], None)
     assert c.choose(["a"], [2]) == [2]
     c.forget("a")
-    assert c._state("a").p == [0.5] * 4
+    assert c.tracked == 0
+    assert c.estimate("a") == c.pooled()
+
+
+def test_a_new_request_starts_from_the_pooled_acceptance_of_earlier_requests():
+    fresh = controller()
+    trained(fresh, base=0.05, per_row=0.01)
+    assert fresh.pooled() == [0.5] * 4
+    assert fresh.choose(["new"], [4]) == [2]  # 0.5, 0.25, ... : two drafts pay at batch 1
+    copy = controller()
+    trained(copy, base=0.05, per_row=0.01)
+    for _ in range(10):
+        copy.observe(["a"], [4], [5], None)  # earlier requests: everything accepted
+    assert copy.pooled() == pytest.approx([0.916667, 0.986111, 0.997685, 0.999614], abs=1e-6)
+    assert copy.choose(["new"], [4]) == [4]  # a long k from its very first step
+    chat = controller()
+    trained(chat, base=0.05, per_row=0.01)
+    for _ in range(10):
+        chat.observe(["a"], [4], [1], None)  # earlier requests: nothing accepted
+    assert chat.pooled() == pytest.approx([1 / 12, 0.5, 0.5, 0.5])
+    assert chat.choose(["new"], [4]) == [0]
+
+
+def test_own_evidence_overrides_the_pool():
+    c = controller()
+    trained(c, base=0.05, per_row=0.01)
+    for _ in range(10):
+        c.observe(["a"], [4], [5], None)
+    c.choose(["x"], [4])
+    for _ in range(6):
+        c.observe(["x"], [1], [1], None)  # x's first draft always rejected
+    # (2 * pooled[0] + 6 * 0) / 8, pooled[0] itself pulled down a little by x's rejections
+    assert c.estimate("x")[0] == pytest.approx(2 * c.pooled()[0] / 8)
+    assert c.choose(["x"], [4]) == [0]
+
+
+def test_a_request_finished_before_its_step_is_observed_leaves_no_state_behind():
+    c = controller()
+    trained(c, base=0.05, per_row=0.01)
+    c.choose(["a"], [4])
+    c.forget("a")  # its finish notice arrived while the step ran (overlap)
+    c.observe(["a"], [4], [3], 0.1)
+    assert c.tracked == 0
+    assert c.pool.seen == [1, 1, 1, 0]  # the pool still learned from it
 
 
 @pytest.mark.parametrize("field,value", [("speculation", "always"), ("spec_ema_alpha", 0),
@@ -107,6 +172,7 @@ def test_bad_speculation_settings_are_refused_naming_the_field(field, value):
 def test_a_pinned_request_gets_its_cap_whatever_its_acceptance():
     c = controller()
     trained(c, base=0.05, per_row=0.01)
+    c.choose(["a", "b"], [4, 4])
     for _ in range(20):
         c.observe(["a", "b"], [4, 4], [1, 1], None)
     assert c.choose(["a", "b"], [4, 3], pinned=[False, True]) == [0, 3]

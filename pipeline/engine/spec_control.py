@@ -1,13 +1,19 @@
 """How many drafts each request verifies this step (k, 0 allowed): adaptive speculation.
 
-Per request, an EMA per draft position estimates p[i] = P(position i accepted | position i-1
-accepted), updated only from positions the verifier actually saw. Drafting j tokens then yields
-`1 + sum_{m<=j} S_m` expected tokens, S_m = p[0] * ... * p[m-1]; the m-th draft's marginal gain S_m
-never grows with m. The engine measures what a step costs (`CostModel`: seconds ~ base +
-per_row * verify rows + per_draft * longest draft), so for each cap K on the longest draft the
-best rows are the largest gains; the plan keeps the (K, rows) with the most expected retained
-tokens per second for the whole batch. A request held at k = 0 for `probe_every` steps gets one
-draft, so text that turns repetitive earns drafts again.
+Per draft position the controller estimates p[i] = P(position i accepted | position i-1
+accepted), from positions the verifier actually saw. A new request starts from the pooled
+estimate of recent requests (an engine-wide EMA over every request's outcomes); its own
+observations take over as they accumulate (a Beta-style blend: the pool counts as
+`prior_weight` observations). A position nobody has seen yet is taken to be no worse than the
+one before it, so a request on copied text drafts long from its first steps.
+
+Drafting j tokens yields `1 + sum_{m<=j} S_m` expected tokens, S_m = p[0] * ... * p[m-1]; the
+m-th draft's marginal gain S_m never grows with m. The engine measures what a step costs
+(`CostModel`: seconds ~ base + per_row * verify rows + per_draft * longest draft), so for each
+cap K on the longest draft the best rows are the largest gains; the plan keeps the (K, rows) with
+the most expected retained tokens per second for the whole batch. A request held at k = 0 for
+`probe_every` steps gets one draft, so text that turns repetitive earns drafts again. Each step
+costs O(batch * max_k * log) here, whatever the output lengths.
 
 Lossless by construction: k only decides how many drafts are checked, never which token the
 target keeps (greedy output is identical; rejection sampling preserves the distribution for any k
@@ -28,31 +34,54 @@ class SpecSettings:
     mode: str = "adaptive"  # adaptive | fixed (always the most drafts allowed)
     max_k: int = 4  # most drafts per request and step
     ema_alpha: float = 0.25  # weight of the newest observation in the per-position EMA
-    prior: float = 0.5  # acceptance assumed at a position not yet seen
+    prior: float = 0.5  # the pooled acceptance before any draft has been verified
     probe_every: int = 8  # steps at k = 0 before a one-draft probe
     cost_decay: float = 0.97  # per-step decay of the cost model's past observations
+    prior_weight: float = 2.0  # observations the pooled estimate counts as in a request's own
+    pool_alpha: float = 0.05  # weight of the newest request-step in the engine-wide EMA
 
 
 @dataclass
 class Acceptance:
-    """One request's per-position conditional acceptance (EMA) and its k = 0 streak."""
+    """Observed conditional acceptance per draft position: the plain mean of the first 1/alpha
+    observations, an EMA (newest weight alpha) after that, so no start value has to be
+    unlearned; `seen` counts the observations. `idle`: steps in a row at k = 0."""
 
-    p: list[float]
+    mean: list[float]
+    seen: list[int]
     idle: int = 0
+
+    @classmethod
+    def empty(cls, max_k: int) -> Acceptance:
+        return cls([0.0] * max_k, [0] * max_k)
 
     def update(self, drafted: int, accepted: int, alpha: float) -> None:
         """Positions 0..accepted were tried (0..accepted-1 accepted, `accepted` rejected when
         it was drafted); later positions were never reached and say nothing."""
         for i in range(min(drafted, accepted + 1)):
-            self.p[i] += alpha * ((1.0 if i < accepted else 0.0) - self.p[i])
+            self.seen[i] += 1
+            weight = max(alpha, 1.0 / self.seen[i])
+            self.mean[i] += weight * ((1.0 if i < accepted else 0.0) - self.mean[i])
 
-    def gains(self, k: int) -> list[float]:
-        """Expected extra tokens of the 1st..k-th draft: S_1..S_k."""
-        out, s = [], 1.0
-        for i in range(k):
-            s *= self.p[i]
-            out.append(s)
+    def estimate(self, prior: list[float], prior_weight: float) -> list[float]:
+        """Per position (w * prior' + n * mean) / (w + n), n = observations; prior' is
+        max(prior[i], the estimate at i-1): an unseen position is no worse than the one before
+        it (acceptance grows along a copied run) nor than the prior."""
+        out, before = [], 0.0
+        for prior_i, mean, n in zip(prior, self.mean, self.seen):
+            p = max(prior_i, before)
+            before = (prior_weight * p + n * mean) / (prior_weight + n) if n else p
+            out.append(before)
         return out
+
+
+def gains(p: list[float], k: int) -> list[float]:
+    """Expected extra tokens of the 1st..k-th draft: S_1..S_k."""
+    out, s = [], 1.0
+    for i in range(k):
+        s *= p[i]
+        out.append(s)
+    return out
 
 
 @dataclass
@@ -104,6 +133,7 @@ class SpecController:
     def __init__(self, settings: SpecSettings) -> None:
         self.settings = settings
         self.cost = CostModel(settings.cost_decay)
+        self.pool = Acceptance.empty(settings.max_k)  # every request's outcomes, recent first
         self._acc: dict[str, Acceptance] = {}
 
     def choose(self, rids: list[str], caps: list[int],
@@ -120,7 +150,9 @@ class SpecController:
         if not self.cost.known:  # nothing measured yet: one plain step sets the scale
             ks = [0] * len(rids)
         else:
-            ks = self._best(accs, caps)
+            pooled = self.pooled()
+            ks = self._best([gains(a.estimate(pooled, s.prior_weight), c)
+                             for a, c in zip(accs, caps)])
         for i, (a, cap) in enumerate(zip(accs, caps)):
             if pinned is not None and pinned[i]:
                 ks[i] = cap
@@ -133,17 +165,31 @@ class SpecController:
                 a.idle = 0
         return ks
 
-    def _best(self, accs: list[Acceptance], caps: list[int]) -> list[int]:
-        batch = len(accs)
+    def pooled(self) -> list[float]:
+        """The engine-wide estimate per position: where a new request starts."""
+        s = self.settings
+        return self.pool.estimate([s.prior] * s.max_k, s.prior_weight)
+
+    def estimate(self, rid: str) -> list[float]:
+        """A request's current per-position estimate (the pooled one when it is unknown)."""
+        a = self._acc.get(rid)
+        pooled = self.pooled()
+        return pooled if a is None else a.estimate(pooled, self.settings.prior_weight)
+
+    def _best(self, gains: list[list[float]]) -> list[int]:
+        batch = len(gains)
         base, per_row, per_draft = self.cost.coefficients(batch)
-        gains = [a.gains(c) for a, c in zip(accs, caps)]
+        # Every candidate draft once, largest gain first (ties: earlier position first).
+        items = sorted(((g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs)),
+                       key=lambda t: (-t[0], t[1]))
         best, best_rate = [0] * batch, batch / base
-        for longest in range(1, max(caps, default=0) + 1):
-            items = sorted(((g, i) for i, gs in enumerate(gains) for g in gs[:longest]),
-                           reverse=True)
-            tokens, ks, last = float(batch), [0] * batch, 0.0
+        for longest in range(1, max(map(len, gains), default=0) + 1):
+            tokens, ks, last, rows = float(batch), [0] * batch, 0.0, 0
             fixed = base + per_draft * longest
-            for rows, (g, i) in enumerate(items, start=1):
+            for g, j, i in items:
+                if j >= longest:
+                    continue
+                rows += 1
                 tokens += g
                 ks[i] += 1  # gains per request are non-increasing, so this takes a prefix
                 rate = tokens / (fixed + per_row * rows)
@@ -157,21 +203,30 @@ class SpecController:
     def observe(self, rids: list[str], drafted: list[int], num_tokens: list[int],
                 seconds: float | None) -> None:
         """A decode step's outcome: per request drafts verified and tokens produced (accepted
-        drafts + 1); `seconds` the measured step time (None: not measured)."""
-        alpha = self.settings.ema_alpha
+        drafts + 1); `seconds` the measured step time (None: not measured). A request finished
+        meanwhile still teaches the pool but gets no state back (it would never be forgotten)."""
+        s = self.settings
         for rid, d, n in zip(rids, drafted, num_tokens):
             if d > 0:
-                self._state(rid).update(d, n - 1, alpha)
+                self.pool.update(d, n - 1, s.pool_alpha)
+                own = self._acc.get(rid)
+                if own is not None:
+                    own.update(d, n - 1, s.ema_alpha)
         if seconds is not None and rids:
             self.cost.observe(len(rids) + sum(drafted), max(drafted, default=0), seconds)
 
     def forget(self, rid: str) -> None:
         self._acc.pop(rid, None)
 
+    @property
+    def tracked(self) -> int:
+        """Requests with state here (the running ones)."""
+        return len(self._acc)
+
     def _state(self, rid: str) -> Acceptance:
         a = self._acc.get(rid)
         if a is None:
-            a = self._acc[rid] = Acceptance([self.settings.prior] * self.settings.max_k)
+            a = self._acc[rid] = Acceptance.empty(self.settings.max_k)
         return a
 
 
@@ -180,10 +235,14 @@ def validate(settings: SpecSettings) -> None:
     if settings.mode not in MODES:
         raise ValueError(f"speculation: must be one of {', '.join(MODES)}, got {settings.mode!r}")
     for name, value in (("spec_ema_alpha", settings.ema_alpha), ("spec_prior", settings.prior),
-                        ("spec_cost_decay", settings.cost_decay)):
+                        ("spec_cost_decay", settings.cost_decay),
+                        ("spec_pool_alpha", settings.pool_alpha)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not 0 < value <= 1:
             raise ValueError(f"{name}: must be a number in (0, 1], got {value!r}")
     probe = settings.probe_every
     if isinstance(probe, bool) or not isinstance(probe, int) or probe < 1:
         raise ValueError(f"spec_probe_every: must be an integer >= 1, got {probe!r}")
+    weight = settings.prior_weight
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+        raise ValueError(f"spec_prior_weight: must be a number >= 0, got {weight!r}")
