@@ -36,12 +36,15 @@ def test_acceptance_is_a_plain_mean_then_an_ema_only_at_positions_the_verifier_s
     assert a.mean[0] == 0.375
 
 
-def test_the_estimate_blends_the_prior_with_own_evidence_and_carries_it_to_unseen_positions():
+def test_the_estimate_blends_the_prior_with_own_evidence():
     a = Acceptance([1.0, 0.0, 0.0, 0.0], [2, 1, 0, 0])
-    # (2 * 0.5 + 2 * 1) / 4; then the prior of position 1 is max(0.5, 0.75): (2 * 0.75) / 3
-    assert a.estimate([0.5] * 4, prior_weight=2.0) == [0.75, 0.5, 0.5, 0.5]
+    # (2 * 0.9 + 2 * 1) / 4, (2 * 0.6 + 0) / 3, then the prior where nothing was seen
+    assert a.estimate([0.9, 0.6, 0.3, 0.2], prior_weight=2.0) == \
+        pytest.approx([0.95, 0.4, 0.3, 0.2])
+    # carried (the pool): position 1's prior is max(0.5, 0.75), so (2 * 0.75) / 3, ...
+    assert a.estimate([0.5] * 4, prior_weight=2.0, carry=True) == [0.75, 0.5, 0.5, 0.5]
     copy = Acceptance([1.0, 1.0, 0.0, 0.0], [6, 6, 0, 0])
-    assert copy.estimate([0.5] * 4, prior_weight=2.0) == [0.875, 0.96875, 0.96875, 0.96875]
+    assert copy.estimate([0.5] * 4, 2.0, carry=True) == [0.875, 0.96875, 0.96875, 0.96875]
     assert gains([0.875, 0.25, 0.5], 3) == [0.875, 0.21875, 0.109375]
 
 
@@ -176,3 +179,23 @@ def test_a_pinned_request_gets_its_cap_whatever_its_acceptance():
     for _ in range(20):
         c.observe(["a", "b"], [4, 4], [1, 1], None)
     assert c.choose(["a", "b"], [4, 3], pinned=[False, True]) == [0, 3]
+
+
+def test_at_batch_8_with_costly_rows_the_pool_decides_a_new_requests_first_k():
+    # A plain step of 8 rows: 0.04 + 8 * 0.01 = 0.12 s (66.7 tokens/s); a verify row costs
+    # 0.01 s, so a draft pays only if its expected gain beats 0.667 tokens.
+    def at_batch_8(earlier_tokens: int) -> list[int]:
+        c = controller()
+        trained(c, base=0.04, per_row=0.01)
+        old, new = [f"o{i}" for i in range(8)], [f"n{i}" for i in range(8)]
+        if earlier_tokens:
+            c.choose(old, [4] * 8)
+            for _ in range(5):
+                c.observe(old, [4] * 8, [earlier_tokens] * 8, None)
+            for rid in old:
+                c.forget(rid)
+        return c.choose(new, [4] * 8)
+
+    assert at_batch_8(0) == [0] * 8  # nothing known: the 0.5 prior does not pay here
+    assert at_batch_8(5) == [4] * 8  # after copy text: every draft from the first step
+    assert at_batch_8(2) == [1] * 8  # position 0 always kept, position 1 never

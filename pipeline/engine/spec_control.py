@@ -4,8 +4,8 @@ Per draft position the controller estimates p[i] = P(position i accepted | posit
 accepted), from positions the verifier actually saw. A new request starts from the pooled
 estimate of recent requests (an engine-wide EMA over every request's outcomes); its own
 observations take over as they accumulate (a Beta-style blend: the pool counts as
-`prior_weight` observations). A position nobody has seen yet is taken to be no worse than the
-one before it, so a request on copied text drafts long from its first steps.
+`prior_weight` observations). In the pool, a position nobody has drafted yet is taken to be no
+worse than the one before it, so after copied text a new request drafts long from its first step.
 
 Drafting j tokens yields `1 + sum_{m<=j} S_m` expected tokens, S_m = p[0] * ... * p[m-1]; the
 m-th draft's marginal gain S_m never grows with m. The engine measures what a step costs
@@ -63,14 +63,15 @@ class Acceptance:
             weight = max(alpha, 1.0 / self.seen[i])
             self.mean[i] += weight * ((1.0 if i < accepted else 0.0) - self.mean[i])
 
-    def estimate(self, prior: list[float], prior_weight: float) -> list[float]:
-        """Per position (w * prior' + n * mean) / (w + n), n = observations; prior' is
-        max(prior[i], the estimate at i-1): an unseen position is no worse than the one before
-        it (acceptance grows along a copied run) nor than the prior."""
+    def estimate(self, prior: list[float], prior_weight: float,
+                 carry: bool = False) -> list[float]:
+        """Per position (w * prior + n * mean) / (w + n), n = observations. `carry` (the pool):
+        a position's prior is at least the estimate before it, so a position nobody has drafted
+        yet is taken to be no worse than the one before it (acceptance grows along a copied run)."""
         out, before = [], 0.0
         for prior_i, mean, n in zip(prior, self.mean, self.seen):
-            p = max(prior_i, before)
-            before = (prior_weight * p + n * mean) / (prior_weight + n) if n else p
+            p = max(prior_i, before) if carry else prior_i
+            before = (prior_weight * p + n * mean) / (prior_weight + n)
             out.append(before)
         return out
 
@@ -168,7 +169,7 @@ class SpecController:
     def pooled(self) -> list[float]:
         """The engine-wide estimate per position: where a new request starts."""
         s = self.settings
-        return self.pool.estimate([s.prior] * s.max_k, s.prior_weight)
+        return self.pool.estimate([s.prior] * s.max_k, s.prior_weight, carry=True)
 
     def estimate(self, rid: str) -> list[float]:
         """A request's current per-position estimate (the pooled one when it is unknown)."""
@@ -179,25 +180,23 @@ class SpecController:
     def _best(self, gains: list[list[float]]) -> list[int]:
         batch = len(gains)
         base, per_row, per_draft = self.cost.coefficients(batch)
-        # Every candidate draft once, largest gain first (ties: earlier position first).
-        items = sorted(((g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs)),
-                       key=lambda t: (-t[0], t[1]))
+        # Every candidate draft once, largest gain first (ties: earlier position first); per
+        # cap on the longest draft, the rate of every prefix at once: O(batch * max_k) a cap.
+        flat = [(-g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs)]
+        if not flat:
+            return [0] * batch
+        cand = np.array(sorted(flat))
+        gain, pos, req = -cand[:, 0], cand[:, 1].astype(int), cand[:, 2].astype(int)
         best, best_rate = [0] * batch, batch / base
-        for longest in range(1, max(map(len, gains), default=0) + 1):
-            tokens, ks, last, rows = float(batch), [0] * batch, 0.0, 0
-            fixed = base + per_draft * longest
-            for g, j, i in items:
-                if j >= longest:
-                    continue
-                rows += 1
-                tokens += g
-                ks[i] += 1  # gains per request are non-increasing, so this takes a prefix
-                rate = tokens / (fixed + per_row * rows)
-                if rate < last:  # falling gains over a linear cost: past the peak
-                    break
-                last = rate
-                if rate > best_rate:
-                    best, best_rate = list(ks), rate
+        for longest in range(1, int(pos.max()) + 2):
+            taken = pos < longest
+            tokens = batch + np.cumsum(gain[taken])
+            rows = np.arange(1, len(tokens) + 1)
+            rate = tokens / (base + per_draft * longest + per_row * rows)
+            top = int(np.argmax(rate))
+            if rate[top] > best_rate:  # gains per request fall with position: prefixes
+                best = np.bincount(req[taken][:top + 1], minlength=batch).tolist()
+                best_rate = float(rate[top])
         return best
 
     def observe(self, rids: list[str], drafted: list[int], num_tokens: list[int],
