@@ -223,4 +223,4 @@ def test_generate_cli_prints_completions_finish_and_spec_stats(ray_cluster, caps
                  "--set", "num_slots=2", "hello", "abc"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- finish_reason=length matched_stop=None tokens=7") == 2
-    assert "--- logprobs=" in out and "tokens/s" in out and "mean_accepted=" in out
+    assert "--- logprobs=" in out and "tokens/s" in out and "tokens_per_verify=" in out

@@ -72,8 +72,10 @@ def test_completions_stream_equals_non_stream_with_stop_string_and_logprobs(clie
     assert streamed == cut
     assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", stop)
     assert [t for lp in lps for t in lp.tokens] == c.logprobs.tokens
+    # Same tokens exactly; logprobs to float32 rounding: adaptive k varies the verify rows per
+    # step, and a GEMM over a different number of rows rounds differently (~1e-6).
     assert [x for lp in lps for x in lp.token_logprobs] == pytest.approx(
-        c.logprobs.token_logprobs)
+        c.logprobs.token_logprobs, abs=1e-4)
     assert last.model_extra["spec_stats"]["verify_ct"] >= 1
 
 
