@@ -22,9 +22,10 @@ from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineDeadError, EngineOverloadedError
+from pipeline.gc_tuning import tune_gc
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.tracing.otel import context_from_traceparent
+from pipeline.tracing.otel import context_from_traceparent, flush_tracing, get_tracer, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,11 @@ async def create_stage_actors(config: EngineConfig,
     """Start the draft, verifier ranks (one placement-group bundle each) and output actors,
     placed as `config.placement` says. `report` hears what it is waiting for (a placement group
     or an actor waits until the cluster has the resources, e.g. until a lost node is back)."""
-    import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    # lazy: the stage actors import torch; the engine actor and the Serve replica that import
+    # this module need only their classes, here
     from actors.draft import DraftWorker
     from actors.output import OutputActor
     from actors.verifier import TargetVerifier
@@ -124,8 +126,6 @@ class RayStages:
         await self._call(self.actors.output.add_request, req, traceparent)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
-        import ray
-
         plan_ref = ray.put(plan)  # serialized once for the draft and every rank
         proposal = self._call(self.actors.draft.propose, plan_ref)
         calls = [self._call(v.verify.options(num_returns=2), plan_ref, proposal)
@@ -165,9 +165,6 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None  # the step loop's (default group)
 
     async def start(self) -> dict[str, Any]:
-        from pipeline.gc_tuning import tune_gc
-        from pipeline.tracing.otel import get_tracer, setup_tracing
-
         setup_tracing("specrelay-engine", self.config.tracing)  # config, else OTEL_* environment
         self.tracer = get_tracer()
         self._loop = asyncio.get_running_loop()
@@ -298,8 +295,6 @@ class Engine:
 
     async def shutdown(self) -> None:
         """Stop stepping, let every actor export its spans, kill the stage actors."""
-        from pipeline.tracing.otel import flush_tracing
-
         if self.core is not None:
             await self.core.stop()
         if self.actors is not None:
@@ -352,8 +347,6 @@ def start_engine(config: EngineConfig, name: str | None = None,
 
 def stop_engine(handle: Any) -> None:
     """Kill the stage actors and the engine actor."""
-    import ray
-
     try:
         ray.get(handle.shutdown.remote(), timeout=30)
     finally:

@@ -9,8 +9,13 @@ import signal
 import time
 from typing import Any
 
+import ray
+
+from actors.engine import start_engine, stop_engine
+from actors.engine_client import EngineClient
 from pipeline.config import load_config
 from pipeline.frontend.metrics import tokens_per_verify
+from pipeline.models.runners import load_engine_tokenizer
 from pipeline.params import SamplingParams
 
 
@@ -55,8 +60,6 @@ def encode(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
 
 
 async def complete(handle: Any, prompts: list[list[int]], params: SamplingParams) -> list[list]:
-    from actors.engine_client import EngineClient
-
     client = EngineClient(handle)
 
     async def one(i: int, ids: list[int]) -> list:
@@ -70,11 +73,6 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ray
-
-    from actors.engine import start_engine, stop_engine
-    from pipeline.models.runners import load_engine_tokenizer
-
     args = parse_args(list(argv or []))
     config = load_config(args.config, overrides(args.set))
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,

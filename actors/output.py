@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from pipeline.config import EngineConfig
 from pipeline.engine.step_plan import NewRequest
+from pipeline.gc_tuning import tune_gc
+from pipeline.models.runners import load_engine_tokenizer
+from pipeline.output.processor import OutputProcessor
 from pipeline.output.request_output import RequestOutput
+from pipeline.output.tracing import TracedOutputProcessor
+from pipeline.tokenizer import eos_token_ids
+from pipeline.tracing.otel import flush_tracing, setup_tracing
 
 
 class OutputActor:
     def __init__(self, config: EngineConfig) -> None:
-        from pipeline.gc_tuning import tune_gc
-        from pipeline.models.runners import load_engine_tokenizer
-        from pipeline.output.processor import OutputProcessor
-        from pipeline.output.tracing import TracedOutputProcessor
-        from pipeline.tracing.otel import setup_tracing
-
         setup_tracing("specrelay-output", config.tracing)  # config, else the OTEL_* environment
-        from pipeline.tokenizer import eos_token_ids
-
         tokenizer = load_engine_tokenizer(config)
         self.eos_token_ids = eos_token_ids(tokenizer)
         inner = OutputProcessor(tokenizer, self.eos_token_ids)
@@ -44,6 +42,4 @@ class OutputActor:
 
     def flush_telemetry(self, timeout_s: float) -> bool:
         """Export the spans ended so far (before this actor is killed or the job ends)."""
-        from pipeline.tracing.otel import flush_tracing
-
         return flush_tracing(timeout_s)

@@ -22,12 +22,15 @@ import sys
 import threading
 from typing import Any
 
+import ray
 from ray import serve
 
+from actors.engine import start_engine
 from actors.engine_client import EngineClient
 from pipeline.config import EngineConfig, load_config
 from pipeline.frontend.app import API_KEY_ENV, ServerSettings, create_app
 from pipeline.frontend.proxy_guard import proxy_guard_env
+from pipeline.tracing.otel import flush_tracing, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +71,8 @@ class SpecrelayServer:
 
     async def __init__(self, config_path: str | None, overrides: dict[str, Any],
                        settings: dict[str, Any]) -> None:
-        from actors.engine import start_engine
+        # lazy: the model runners import torch, needed in the replica, not in `specrelay serve`
         from pipeline.models.runners import load_engine_tokenizer
-        from pipeline.tracing.otel import setup_tracing
 
         loopback_replica_grpc()
         config, server_settings = replica_config(config_path, overrides, settings)
@@ -104,10 +106,6 @@ class SpecrelayServer:
     async def __del__(self) -> None:
         # Replica shutdown: stop the engine so its stage actors and placement group go too;
         # the engine and its output actor export their spans first, then this replica does.
-        import ray
-
-        from pipeline.tracing.otel import flush_tracing
-
         engine = getattr(self, "engine", None)
         if engine is not None:
             try:
@@ -171,8 +169,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def serve_main(argv: list[str]) -> int:
-    import ray
-
     args = parse_args(argv)
     args.config = resolve_config_path(args.config)
     if args.config and not os.path.exists(args.config):
@@ -230,7 +226,6 @@ def loopback_replica_grpc() -> None:
     see loopback_ray) peers reach it at 127.0.0.1, so bind it there like the rest of Ray.
     Call in the replica before Serve finishes initializing it; a no-op on cluster nodes.
     tests/test_security_serve.py scans the sockets, so a Ray upgrade that moves this shows."""
-    import ray
     from ray.serve._private import replica
 
     if ray.util.get_node_ip_address() not in ("127.0.0.1", "::1"):

@@ -13,7 +13,8 @@ import socket
 from pipeline.config import EngineConfig
 from pipeline.draft.base import Proposal
 from pipeline.engine.step_plan import StepOutcome, StepPlan
-from pipeline.models.runners import set_torch_threads
+from pipeline.models.runners import build_runner, set_torch_threads
+from pipeline.models.tp import init_distributed
 from pipeline.verify.verifier import Verifier
 
 
@@ -35,12 +36,8 @@ class TargetVerifier:
 
     def load(self, init_method: str | None) -> dict:
         """Join the TP group (when world > 1), load this rank's shard; returns model facts."""
-        from pipeline.models.runners import build_runner
-
         world = self.config.tensor_parallel_size
         if world > 1:
-            from pipeline.models.tp import init_distributed
-
             init_distributed(self.rank, world, init_method)
         runner = build_runner(self.config, "target", tp_rank=self.rank, tp_world=world)
         self.verifier = Verifier(runner, driver=self.rank == 0)

@@ -202,6 +202,7 @@ def is_tiny(source: str) -> bool:
 def _check_tracing(tracing: dict[str, Any]) -> None:
     """The section alone, as every actor will resolve it (the environment is read there, so an
     OTEL_* variable of the loading process must not make a bad file pass or a good one fail)."""
+    # lazy: opentelemetry (~300 ms) loads only for a config that has a tracing section
     from pipeline.tracing.otel import resolve_config
 
     try:

@@ -6,8 +6,13 @@ import time
 
 from pipeline.config import EngineConfig
 from pipeline.draft.base import Proposal, Proposer
+from pipeline.draft.model import DraftModelProposer
+from pipeline.draft.ngram import NgramProposer
+from pipeline.draft.none import NoProposer
+from pipeline.draft.suffix import SuffixProposer, SuffixSettings
 from pipeline.engine.step_plan import StepPlan
 from pipeline.grammar.tracker import GrammarTracker
+from pipeline.models.runners import build_runner
 
 
 def draft_step(proposer: Proposer, plan: StepPlan,
@@ -46,14 +51,10 @@ def build_proposer(config: EngineConfig) -> Proposer:
 
 
 def _ngram(config: EngineConfig) -> Proposer:
-    from pipeline.draft.ngram import NgramProposer
-
     return NgramProposer(config.ngram_min_n, config.ngram_max_n)
 
 
 def _suffix(config: EngineConfig) -> Proposer:
-    from pipeline.draft.suffix import SuffixProposer, SuffixSettings
-
     return SuffixProposer(SuffixSettings(
         max_depth=config.suffix_max_depth, min_score=config.suffix_min_score,
         spec_factor=config.suffix_spec_factor, global_requests=config.suffix_global_requests,
@@ -61,15 +62,10 @@ def _suffix(config: EngineConfig) -> Proposer:
 
 
 def _model(config: EngineConfig) -> Proposer:
-    from pipeline.draft.model import DraftModelProposer
-    from pipeline.models.runners import build_runner
-
     return DraftModelProposer(build_runner(config, role="draft"))
 
 
 def _none(config: EngineConfig) -> Proposer:
-    from pipeline.draft.none import NoProposer
-
     return NoProposer()
 
 

@@ -246,6 +246,7 @@ class EngineCore:
         actor's `spec.verify_step` span joins the same trace."""
         if self.tracer is None or not plan.rids:
             return None
+        # lazy: the core imports no opentelemetry unless a tracer was handed to it
         from pipeline.tracing.otel import traceparent_of
 
         span = self.tracer.start_span("spec.engine_step", attributes={

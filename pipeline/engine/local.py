@@ -14,8 +14,11 @@ from pipeline.draft.step import build_proposer, draft_step
 from pipeline.engine.core import EngineCore
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.grammar.tracker import GrammarTracker
+from pipeline.models.runners import build_runner
+from pipeline.output.processor import OutputProcessor
 from pipeline.output.request_output import Completion, RequestOutput
 from pipeline.params import SamplingParams
+from pipeline.tokenizer import eos_token_ids
 from pipeline.verify.verifier import Verifier
 
 
@@ -48,8 +51,6 @@ class LocalStages:
 
 
 def make_output_processor(tokenizer: Any, eos_token_ids: list[int]) -> Any:
-    from pipeline.output.processor import OutputProcessor
-
     return OutputProcessor(tokenizer, eos_token_ids)
 
 
@@ -59,13 +60,9 @@ def build_local_engine(config: EngineConfig, runner: Any = None, proposer: Propo
     the in-process engine (tests, benchmarks). `runner` reuses a loaded target (its slots must be
     free; engines sharing it must not run at the same time); `proposer` replaces the one the
     config names; `stages_type` a LocalStages subclass (a benchmark's timed stages)."""
-    from pipeline.models.runners import build_runner
-
     if config.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: the in-process engine runs one rank; use Ray")
     runner = runner or build_runner(config, "target")
-    from pipeline.tokenizer import eos_token_ids
-
     output = make_output_processor(runner.tokenizer, eos_token_ids(runner.tokenizer))
     stages = stages_type(proposer or build_proposer(config), Verifier(runner), output)
     return EngineCore(config, stages, runner.vocab_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.frontend.errors import bad_request
+from pipeline.grammar.llg import compile_grammar
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice")
 
@@ -66,8 +67,6 @@ def request_grammar(req: Any, tokenizer: Any) -> Any:
     source = grammar_source(req)
     if source is None:
         return None
-    from pipeline.grammar.llg import compile_grammar
-
     kind, text, param = source
     try:
         return compile_grammar(kind, text, tokenizer)

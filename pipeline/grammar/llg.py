@@ -23,6 +23,9 @@ import llguidance
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
+from pipeline.tiny_tokenizer import ByteTokenizer
+from pipeline.tokenizer import eos_token_ids
+
 GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False}  # separators "," and ":", no free whitespace
 MAX_GRAMMAR_CHARS = 64 << 10  # one request's grammar source; bigger ones are refused
@@ -44,9 +47,6 @@ def lltokenizer(tokenizer: Any) -> LLTokenizer:
 
 
 def _build_lltokenizer(tokenizer: Any) -> LLTokenizer:
-    from pipeline.tiny_tokenizer import ByteTokenizer
-    from pipeline.tokenizer import eos_token_ids
-
     try:
         eos = eos_token_ids(tokenizer)
     except AttributeError:  # a minimal tokenizer (test fakes): its one EOS

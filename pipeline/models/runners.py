@@ -7,7 +7,11 @@ from typing import Any
 import torch
 
 from pipeline.config import EngineConfig, is_tiny, resolve_source
+from pipeline.models.factory import load_runner
 from pipeline.models.runner import ModelRunner
+from pipeline.models.tiny import tiny_config
+from pipeline.tiny_tokenizer import ByteTokenizer
+from pipeline.tokenizer import load_tokenizer
 
 
 def set_torch_threads(config: EngineConfig) -> None:
@@ -22,8 +26,6 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
 
     `tiny:<seed>` is the seeded random pair of pipeline.models.tiny: the draft is the target with
     `draft_agreement_noise` weight noise, so each actor can build its half on its own."""
-    from pipeline.models.factory import load_runner
-
     source = config.model if role == "target" else config.draft_model
     if source is None:
         raise ValueError(f"draft_model: no model source for role {role!r}")
@@ -43,13 +45,8 @@ def load_engine_tokenizer(config: EngineConfig) -> Any:
     """The target's tokenizer without loading weights (for the output actor and the CLI)."""
     if is_tiny(config.model):
         return tiny_tokenizer()
-    from pipeline.tokenizer import load_tokenizer
-
     return load_tokenizer(resolve_source(config.model))
 
 
 def tiny_tokenizer() -> Any:
-    from pipeline.models.tiny import tiny_config
-    from pipeline.tiny_tokenizer import ByteTokenizer
-
     return ByteTokenizer(tiny_config().eos_token_ids)

@@ -51,6 +51,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from pipeline.tracing.trace_file import JsonLinesSpanExporter
+
 TRACER_NAME = "specrelay"
 EXPORTERS = ("otlp", "console", "file", "none")
 PROTOCOLS = ("http/protobuf", "grpc")
@@ -163,8 +165,6 @@ def make_exporter(cfg: TracingConfig) -> SpanExporter | None:
     if cfg.exporter == "console":
         return ConsoleSpanExporter(service_name=cfg.service_name)
     if cfg.exporter == "file":
-        from pipeline.tracing.trace_file import JsonLinesSpanExporter
-
         return JsonLinesSpanExporter(cfg.file)
     if cfg.otlp_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
