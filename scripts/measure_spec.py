@@ -10,6 +10,12 @@ import argparse
 import asyncio
 import time
 
+import torch
+
+from pipeline.config import load_config
+from pipeline.engine.local import build_local_engine, collect
+from pipeline.params import SamplingParams
+
 CODE = '''def moving_average(values, window):
     if window <= 0:
         raise ValueError("window must be positive")
@@ -33,12 +39,6 @@ def prompt_for(i: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from pipeline.config import load_config
-    from pipeline.engine.local import build_local_engine, collect
-    from pipeline.params import SamplingParams
-
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="configs/smollm2-cpu.yaml")
     p.add_argument("--max-tokens", type=int, default=160)
