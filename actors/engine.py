@@ -103,7 +103,7 @@ async def create_stage_actors(config: EngineConfig,
 
 
 class RayStages:
-    """engine_core.Stages over actor handles. The proposal and the payload travel as object
+    """pipeline.engine.core.Stages over actor handles. The proposal and the payload travel as object
     refs from actor to actor; the engine only reads the small StepOutcome.
 
     Every stage call is submitted as the engine's own call, never as a child of the request

@@ -7,8 +7,7 @@ Invariants:
   after its finish/abort carries it in `release`; stages free before they allocate, so the
   slot budget is `num_slots - len(running)` when a plan is built;
 - the queue and the slots are counted in choices (engine requests); admission happens whenever
-  slots are free, fewest-held group first, FIFO within a group, with `reserved_slots` kept for
-  groups holding none (see admission.py);
+  slots are free, in the order pipeline.engine.admission's rules give (stated there once);
 - no verify writes past `max_model_len`, and none is scheduled once a request has as many
   output tokens as it may keep (`max_output`); the output processor decides the finish.
 """
