@@ -28,6 +28,26 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+# (metric name, engine stats key, help) of the engine-owned gauges and counters.
+ENGINE_GAUGES = (
+    ("num_requests_running", "running", "Requests holding an engine slot."),
+    ("num_requests_waiting", "waiting", "Requests queued for a slot."),
+    ("num_free_slots", "free_slots", "Engine slots not in use."),
+)
+ENGINE_COUNTERS = (
+    ("engine_steps", "steps", "Engine steps run."),
+    ("spec_dropped_steps", "dropped_steps",
+     "Steps dropped whole because their request had already finished or was aborted."),
+    ("spec_decode_num_verify_steps", "verify_steps",
+     "Request-steps after the prefill (each verifies, drafted or not)."),
+    # vLLM's spec-decode counters (vllm:spec_decode_num_*): raw, before finish truncation.
+    ("spec_decode_num_drafts", "num_drafts", "Request-steps with at least one draft."),
+    ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
+    ("spec_decode_num_accepted_tokens", "num_accepted_tokens",
+     "Draft tokens accepted by the verifier."),
+)
+
+
 class _EngineStatsCollector(Collector):
     """Exports the latest engine stats snapshot (gauges and engine-owned counters)."""
 
@@ -36,36 +56,24 @@ class _EngineStatsCollector(Collector):
         self.stats: dict[str, Any] = {}
 
     def collect(self) -> Iterable[Metric]:
-        s, labels = self.stats, [self.model]
-        if not s:
-            return
-        for name, key, doc in (
-            ("num_requests_running", "running", "Requests holding an engine slot."),
-            ("num_requests_waiting", "waiting", "Requests queued for a slot."),
-            ("num_free_slots", "free_slots", "Engine slots not in use."),
-        ):
-            g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
-            g.add_metric(labels, float(s.get(key) or 0))
-            yield g
-        healthy = GaugeMetricFamily(f"{PREFIX}_engine_healthy", "1 when the engine is healthy.",
-                                    labels=["model"])
-        healthy.add_metric(labels, 1.0 if s.get("healthy", False) else 0.0)
-        yield healthy
-        for name, key, doc in (
-            ("engine_steps", "steps", "Engine steps run."),
-            ("spec_dropped_steps", "dropped_steps",
-             "Steps dropped whole because their request had already finished or was aborted."),
-            ("spec_decode_num_verify_steps", "verify_steps",
-             "Request-steps after the prefill (each verifies, drafted or not)."),
-            # vLLM's spec-decode counters (vllm:spec_decode_num_*): raw, before finish truncation.
-            ("spec_decode_num_drafts", "num_drafts", "Request-steps with at least one draft."),
-            ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
-            ("spec_decode_num_accepted_tokens", "num_accepted_tokens",
-             "Draft tokens accepted by the verifier."),
-        ):
-            c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
-            c.add_metric(labels, float(s.get(key) or 0))
-            yield c
+        if self.stats:
+            yield from self._engine(self.stats)
+            yield from self._speculation(self.stats)
+
+    def _one(self, family: type, name: str, doc: str, value: float) -> Metric:
+        metric = family(f"{PREFIX}_{name}", doc, labels=["model"])
+        metric.add_metric([self.model], value)
+        return metric
+
+    def _engine(self, s: dict[str, Any]) -> Iterable[Metric]:
+        for name, key, doc in ENGINE_GAUGES:
+            yield self._one(GaugeMetricFamily, name, doc, float(s.get(key) or 0))
+        yield self._one(GaugeMetricFamily, "engine_healthy", "1 when the engine is healthy.",
+                        1.0 if s.get("healthy", False) else 0.0)
+        for name, key, doc in ENGINE_COUNTERS:
+            yield self._one(CounterMetricFamily, name, doc, float(s.get(key) or 0))
+
+    def _speculation(self, s: dict[str, Any]) -> Iterable[Metric]:
         per_pos = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
                                       "Drafts whose token at this position was accepted.",
                                       labels=["model", "position"])
@@ -74,17 +82,13 @@ class _EngineStatsCollector(Collector):
         yield per_pos
         drafted = float(s.get("num_draft_tokens") or 0)
         accepted = float(s.get("num_accepted_tokens") or 0)
-        rate = GaugeMetricFamily(f"{PREFIX}_spec_acceptance_rate",
-                                 "Accepted / drafted tokens since start (pooled counts).",
-                                 labels=["model"])
-        rate.add_metric(labels, accepted / drafted if drafted else 0.0)
-        yield rate
+        yield self._one(GaugeMetricFamily, "spec_acceptance_rate",
+                        "Accepted / drafted tokens since start (pooled counts).",
+                        accepted / drafted if drafted else 0.0)
+        yield self._one(GaugeMetricFamily, "spec_mean_accepted_length",
+                        "Tokens per verify step, drafted or not (accepted drafts + 1).",
+                        tokens_per_verify(s))
         hist = acceptance_histogram(s)
-        mean = GaugeMetricFamily(f"{PREFIX}_spec_mean_accepted_length",
-                                 "Tokens per verify step, drafted or not (accepted drafts + 1).",
-                                 labels=["model"])
-        mean.add_metric(labels, tokens_per_verify(s))
-        yield mean
         if hist:
             h = HistogramMetricFamily(f"{PREFIX}_spec_acceptance_length",
                                       "Accepted draft tokens per verify step (raw).",
@@ -94,7 +98,8 @@ class _EngineStatsCollector(Collector):
                 total += c
                 buckets.append((str(float(i)), float(total)))
             buckets.append(("+Inf", float(total)))
-            h.add_metric(labels, buckets, sum_value=float(sum(i * c for i, c in enumerate(hist))))
+            h.add_metric([self.model], buckets,
+                         sum_value=float(sum(i * c for i, c in enumerate(hist))))
             yield h
 
 

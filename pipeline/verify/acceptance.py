@@ -174,45 +174,19 @@ def accept(
     Raises ValueError on inconsistent shapes."""
     _check_shapes(draft_token_ids, num_drafts, target_logits, sampling, positions, draft_probs)
     num_pos = draft_token_ids.shape[1]
-    vocab = target_logits.shape[-1]
     device = target_logits.device
     draft_token_ids = draft_token_ids.long().to(device)
     num_drafts = num_drafts.long().to(device)
 
     raw_logits = target_logits
     if allowed is not None:
-        if tuple(allowed.shape) != tuple(target_logits.shape):
-            raise ValueError(f"allowed must be [B, K+1, V] = {tuple(target_logits.shape)}, "
-                             f"got {tuple(allowed.shape)}")
-        target_logits = target_logits.masked_fill(~allowed.to(device), float("-inf"))
-    target_argmax = target_logits.argmax(dim=-1)
-    tokens, num_tokens = greedy_accept(draft_token_ids, num_drafts, target_argmax)
+        target_logits = _mask_disallowed(target_logits, allowed)
+    tokens, num_tokens = greedy_accept(draft_token_ids, num_drafts, target_logits.argmax(dim=-1))
     sampled = (~sampling.greedy).nonzero().squeeze(-1)
     if sampled.numel() > 0:
-        sub = sampling.select(sampled)
-        n = sampled.numel()
-        p = process_logits(
-            target_logits[sampled].reshape(n * (num_pos + 1), vocab),
-            sub.temperature.repeat_interleave(num_pos + 1),
-            sub.top_k.repeat_interleave(num_pos + 1),
-            sub.top_p.repeat_interleave(num_pos + 1),
-        ).view(n, num_pos + 1, vocab)
-        sub_drafts = num_drafts[sampled]
-        sample_u, accept_u = _acceptance_uniforms(
-            sub.seeds,
-            [positions[i] for i in sampled.tolist()],
-            sub_drafts,
-            num_pos,
-            vocab,
-            device,
-            generator,
-        )
-        q = None if draft_probs is None else draft_probs[sampled].float()
-        sub_tokens, sub_num = rejection_accept(
-            draft_token_ids[sampled], sub_drafts, p, q, accept_u, sample_u
-        )
-        tokens[sampled] = sub_tokens
-        num_tokens[sampled] = sub_num
+        tokens[sampled], num_tokens[sampled] = _rejection_rows(
+            sampled, draft_token_ids, num_drafts, target_logits, sampling, positions,
+            draft_probs, generator)
 
     logprobs = compute_logprobs(raw_logits)
     chosen = logprobs.gather(-1, tokens.clamp_min(0)[..., None]).squeeze(-1)
@@ -221,6 +195,43 @@ def accept(
     if num_top_logprobs > 0:
         result.top_ids, result.top_values = top_logprobs(logprobs, num_top_logprobs)
     return result
+
+
+def _mask_disallowed(target_logits: Tensor,  # [B, K+1, V]
+                     allowed: Tensor,  # [B, K+1, V] bool
+                     ) -> Tensor:
+    if tuple(allowed.shape) != tuple(target_logits.shape):
+        raise ValueError(f"allowed must be [B, K+1, V] = {tuple(target_logits.shape)}, "
+                         f"got {tuple(allowed.shape)}")
+    return target_logits.masked_fill(~allowed.to(target_logits.device), float("-inf"))
+
+
+def _rejection_rows(
+    sampled: Tensor,  # [n] int64 indices of the non-greedy rows
+    draft_token_ids: Tensor,  # [B, K] int64 on the logits' device
+    num_drafts: Tensor,  # [B] int64 on the logits' device
+    target_logits: Tensor,  # [B, K+1, V] (grammar-masked)
+    sampling: SamplingTensors,
+    positions: Sequence[int],
+    draft_probs: Tensor | None,  # [B, K, V] or None
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """`rejection_accept` over the sampled rows: ([n, K+1] tokens, [n] counts)."""
+    num_pos, vocab = draft_token_ids.shape[1], target_logits.shape[-1]
+    sub = sampling.select(sampled)
+    n = sampled.numel()
+    p = process_logits(
+        target_logits[sampled].reshape(n * (num_pos + 1), vocab),
+        sub.temperature.repeat_interleave(num_pos + 1),
+        sub.top_k.repeat_interleave(num_pos + 1),
+        sub.top_p.repeat_interleave(num_pos + 1),
+    ).view(n, num_pos + 1, vocab)
+    sub_drafts = num_drafts[sampled]
+    sample_u, accept_u = _acceptance_uniforms(
+        sub.seeds, [positions[i] for i in sampled.tolist()], sub_drafts, num_pos, vocab,
+        target_logits.device, generator)
+    q = None if draft_probs is None else draft_probs[sampled].float()
+    return rejection_accept(draft_token_ids[sampled], sub_drafts, p, q, accept_u, sample_u)
 
 
 def _acceptance_uniforms(
