@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from pipeline.output.processor import OutputProcessor
@@ -14,6 +15,16 @@ from pipeline.params import SamplingParams
 from pipeline.protocol import VerifyStep, encode
 
 EOS, STOP, PLAIN_ADDED = 0, 1, 2  # tiny tokenizer: special <eos>, special <stop>, non-special <x>
+
+
+def i32(*xs: int) -> bytes:
+    """A little-endian int32 wire column (pipeline.protocol), for hand-broken messages."""
+    return np.array(xs, dtype="<i4").tobytes()
+
+
+def f64(*xs: float) -> bytes:
+    """A little-endian float64 wire column."""
+    return np.array(xs, dtype="<f8").tobytes()
 
 
 def bytes_to_unicode() -> dict[int, str]:

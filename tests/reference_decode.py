@@ -4,9 +4,14 @@ chi-square goodness-of-fit p-value for the samplers' distribution tests."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
+from pipeline.config import load_config
 from pipeline.models.runner import ModelRunner
+from pipeline.models.runners import build_runner
 
 
 def greedy_reference(runner: ModelRunner, prompt_ids: list[int], num_tokens: int) -> list[int]:
@@ -21,6 +26,13 @@ def greedy_reference(runner: ModelRunner, prompt_ids: list[int], num_tokens: int
         return out
     finally:
         runner.free(slot)
+
+
+def target_references(config_path: str, prompts: Sequence[list[int]], num_tokens: int,
+                      overrides: dict[str, Any] | None = None) -> list[list[int]]:
+    """`greedy_reference` of each prompt on the target `config_path` (+ `overrides`) names."""
+    runner = build_runner(load_config(config_path, {**(overrides or {}), "draft": "none"}))
+    return [greedy_reference(runner, list(p), num_tokens) for p in prompts]
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

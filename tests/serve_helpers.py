@@ -12,8 +12,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,6 +42,21 @@ def running_app(app_args: dict, name: str, api_key: str | None = None) -> Iterat
         yield base
     finally:
         serve.shutdown()
+
+
+def app_fixture(name: str, config: str, overrides: dict | None = None, **settings) -> Any:
+    """A module-scoped fixture serving configs/`config` as app `name` on the shared Ray cluster
+    and yielding its base URL; a module assigns it: `base = app_fixture(APP, "tiny.yaml", {...})`.
+    `settings`: ServerSettings fields (request_timeout_s defaults to 120)."""
+    app_args = {"config": os.path.join(ROOT, "configs", config), "overrides": overrides or {},
+                "request_timeout_s": 120, **settings}
+
+    @pytest.fixture(scope="module")
+    def base(ray_cluster) -> Iterator[str]:
+        with running_app(app_args, name=name) as url:
+            yield url
+
+    return base
 
 
 def wait_healthy(base: str, timeout: float = 120.0) -> None:

@@ -8,13 +8,13 @@ import os
 import time
 
 import pytest
-from reference_decode import greedy_reference
+from reference_decode import target_references
 
 from pipeline.config import load_config
 from pipeline.engine.core import EngineCore
 from pipeline.engine.local import LocalStages, build_local_engine, collect
 from pipeline.errors import EngineDeadError, EngineOverloadedError
-from pipeline.models.runners import build_runner, tiny_tokenizer
+from pipeline.models.runners import tiny_tokenizer
 from pipeline.params import SamplingParams
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
@@ -41,10 +41,9 @@ TOK = tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[int, list[int]]:
+def reference() -> list[list[int]]:
     """Target-only greedy continuations (60 tokens, no stop rules) of each prompt."""
-    runner = build_runner(load_config(CONFIG, {**PLACEMENT, "draft": "none"}))
-    return {i: greedy_reference(runner, p, 60) for i, p in enumerate(PROMPTS)}
+    return target_references(CONFIG, PROMPTS, 60, PLACEMENT)
 
 
 def run(overrides: dict, requests: list[tuple[str, list[int], SamplingParams]]):

@@ -25,7 +25,7 @@ from reliability_support import (
     stage_pids,
     wait_slots_free,
 )
-from serve_helpers import ROOT, running_app
+from serve_helpers import app_fixture
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -42,12 +42,7 @@ LONG = {"prompt": "go", "max_tokens": 240, "ignore_eos": True}
 CANARY = {"prompt": "The quick brown fox", "max_tokens": 12, "ignore_eos": True, "logprobs": 1}
 
 
-@pytest.fixture(scope="module")
-def base(ray_cluster):
-    overrides = {"num_slots": NUM_SLOTS, "max_waiting": 16}
-    with running_app({"config": os.path.join(ROOT, "configs", "tiny-tp2.yaml"),
-                      "overrides": overrides, "request_timeout_s": 120}, name=APP) as url:
-        yield url
+base = app_fixture(APP, "tiny-tp2.yaml", {"num_slots": NUM_SLOTS, "max_waiting": 16})
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from output_support import (
     Collected,
     byte_id,
     feed,
+    i32,
     make_step,
     text_ids,
     tiny_tokenizer,
@@ -446,10 +447,6 @@ def started_processor() -> OutputProcessor:
 def good_message() -> dict:
     w = text_ids(TINY, "OP")
     return msgpack.unpackb(encode(make_step(1, {"a": (5, w), "b": (3, [5])}, 2, 1)), raw=False)
-
-
-def i32(*xs):
-    return np.array(xs, dtype="<i4").tobytes()
 
 
 BREAKS = [

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from output_support import f64, i32
 
 from pipeline.protocol import (
     PROTOCOL_VERSION,
@@ -80,14 +81,6 @@ def valid_message() -> dict:
         time=1.5,
     )
     return msgpack.unpackb(encode(step), raw=False)
-
-
-def i32(*xs: int) -> bytes:
-    return np.array(xs, dtype="<i4").tobytes()
-
-
-def f64(*xs: float) -> bytes:
-    return np.array(xs, dtype="<f8").tobytes()
 
 
 # Each mutation breaks exactly one rule of the contract.

@@ -8,7 +8,6 @@ The 408 path (request timeout, in-band for streams) is covered in-process by tes
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from reliability_support import completion, engine_stats, wait_slots_free
-from serve_helpers import ROOT, running_app
+from serve_helpers import app_fixture
 from test_security import BAD_REQUESTS, check_error, encode_body
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -29,12 +28,8 @@ MAX_TOKENS = 1500  # a choice needs >= 300 steps (at most k + 1 = 5 tokens a ste
 LONG = {"prompt": "go", "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def base(ray_cluster):
-    overrides = {"num_slots": NUM_SLOTS, "max_waiting": MAX_WAITING, "max_model_len": 2048}
-    with running_app({"config": os.path.join(ROOT, "configs", "tiny.yaml"), "api_key": KEY,
-                      "overrides": overrides, "request_timeout_s": 120}, name=APP) as url:
-        yield url
+base = app_fixture(APP, "tiny.yaml", {"num_slots": NUM_SLOTS, "max_waiting": MAX_WAITING,
+                                       "max_model_len": 2048}, api_key=KEY)
 
 
 def steps() -> int:

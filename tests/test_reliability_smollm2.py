@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from reliability_support import HealthWatch, completion, engine_stats, stage_pids, wait_slots_free
-from serve_helpers import ROOT, running_app
+from serve_helpers import app_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 APP = "specrelay-reliability-smollm2"
-CONFIG = os.path.join(ROOT, "configs", "smollm2-cpu.yaml")
 NUM_SLOTS = 8
 # Three requests at the per-request cap (16 prompts x n=4 = 64 choices each): 192 choices of 64
 # tokens, far more than 8 slots hold for the whole test.
@@ -35,10 +34,7 @@ REBUILD_BOUND_S = 120.0  # SmolLM2's load time, on two shared cores
 CANARY = {"prompt": "The quick brown fox", "max_tokens": 12, "ignore_eos": True, "logprobs": 1}
 
 
-@pytest.fixture(scope="module")
-def base(ray_cluster):
-    with running_app({"config": CONFIG, "request_timeout_s": 300}, name=APP) as url:
-        yield url
+base = app_fixture(APP, "smollm2-cpu.yaml", request_timeout_s=300)
 
 
 def hold_fan_out(base: str, stop: threading.Event, streaming: threading.Event) -> int:

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from reliability_support import completion, deployment_rss, engine_stats, wait_slots_free
-from serve_helpers import ROOT, metric, running_app
+from serve_helpers import app_fixture, metric
 
 SOAK_S = float(os.environ.get("SPECRELAY_SOAK_S", "120"))
 pytestmark = [pytest.mark.ray, pytest.mark.soak, pytest.mark.timeout(int(SOAK_S) + 300)]
@@ -44,12 +44,8 @@ STOPS = ["e", "th", "o ", "xyz", "\n"]
 FAN_OUT = {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 32, "ignore_eos": True, "stream": True}
 
 
-@pytest.fixture(scope="module")
-def base(ray_cluster):
-    overrides = {"num_slots": NUM_SLOTS, "max_waiting": MAX_WAITING, "max_model_len": 512}
-    with running_app({"config": os.path.join(ROOT, "configs", "tiny.yaml"),
-                      "overrides": overrides, "request_timeout_s": 120}, name=APP) as url:
-        yield url
+base = app_fixture(APP, "tiny.yaml", {"num_slots": NUM_SLOTS, "max_waiting": MAX_WAITING,
+                                       "max_model_len": 512})
 
 
 def random_request(rng: random.Random) -> tuple[dict, float | None]:

@@ -10,11 +10,11 @@ from typing import ClassVar
 
 import pytest
 import torch
-from reference_decode import chi2_pvalue, greedy_reference
+from reference_decode import chi2_pvalue, target_references
 
 from pipeline.config import load_config
 from pipeline.engine.local import LocalStages, build_local_engine
-from pipeline.models.runners import build_runner, tiny_tokenizer
+from pipeline.models.runners import tiny_tokenizer
 from pipeline.params import SamplingParams
 from pipeline.sampling import process_logits
 from pipeline.verify import acceptance
@@ -28,7 +28,7 @@ TOK = tiny_tokenizer()
 
 @pytest.fixture(scope="module")
 def reference() -> list[int]:
-    return greedy_reference(build_runner(load_config(CONFIG, {"draft": "none"})), PROMPT, 40)
+    return target_references(CONFIG, [PROMPT], 40)[0]
 
 
 class Recording(LocalStages):
