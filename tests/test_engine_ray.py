@@ -85,7 +85,7 @@ def test_tp2_adaptive_stop_fires_in_the_reference_step_after_rejected_drafts(eng
     assert info["tensor_parallel_size"] == 2
     deltas = _run_batch(engines["tp2"], [("lossy", LOSSY_PROMPT, params)])["lossy"]
     last = deltas[-1]
-    windows = [(d.token_ids, d.spec_draft_tokens) for d in deltas]
+    windows = [(d.token_ids, d.spec_draft_tokens, d.text) for d in deltas] + [ref[:f + 2]]
     assert (last.finish_reason, last.matched_stop, last.finished_len) == \
         ("stop", matched, f + 1), windows
     assert ids(deltas) == ref[:f + 1]
