@@ -4,12 +4,14 @@ without it this test fails rather than skips. No daemon is needed: nothing is bu
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,3 +63,26 @@ def test_image_is_the_charts_default_and_carries_the_gpu_pins():
     config = values["specrelay"]["config"]
     assert config.startswith("/app/configs/") and "COPY --chown=1000:100 configs ./configs" in text
     assert (REPO / "configs" / Path(config).name).is_file()
+
+
+@pytest.mark.slow
+def test_the_images_pip_install_resolves_in_a_plain_venv(tmp_path):
+    """The image's install step, taken from the Dockerfile's RUN line, resolved by pip in a new
+    venv (no build: no daemon here). The GPU set must come out as pinned: torch 2.4.0 with
+    vllm-flash-attn 2.6.2 and the base image's Ray."""
+    run = re.search(r'^RUN pip install --no-cache-dir (.+?) \\$', DOCKERFILE.read_text(),
+                    re.MULTILINE)
+    assert run, "Dockerfile should install with one `RUN pip install --no-cache-dir ...` line"
+    reqs = [a.strip('"') for a in run[1].split()]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    report = tmp_path / "report.json"
+    res = subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", "--dry-run", "--ignore-installed",
+         "--report", str(report), *reqs], cwd=REPO, capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = {i["metadata"]["name"].lower(): i["metadata"]["version"]
+           for i in json.loads(report.read_text())["install"]}
+    ray = yaml.safe_load((CHART / "values.yaml").read_text())["rayVersion"]
+    assert (got["torch"], got["vllm-flash-attn"], got["ray"]) == ("2.4.0", "2.6.2", ray)
+    assert int(got["transformers"].split(".")[0]) < 5
