@@ -34,7 +34,7 @@ class FakeHandle:
     """Mimics an actor handle: generate.remote returns an async iterator of awaitable refs."""
 
     def __init__(self, outputs, error=None):
-        self.outputs, self.error, self.aborted = outputs, error, []
+        self.outputs, self.error, self.aborted, self.groups = outputs, error, [], []
         self.generate = _Method(self._generate)
         self.abort = _Method(self._abort)
         self.health = _Method(self._dead)
@@ -44,7 +44,8 @@ class FakeHandle:
             raise value
         return value
 
-    async def _generate(self, rid, ids, params, traceparent):
+    async def _generate(self, rid, ids, params, traceparent, group):
+        self.groups.append(group)
         for out in self.outputs:
             yield self._ref(out)
         if self.error is not None:
@@ -96,3 +97,13 @@ def test_closing_early_aborts_the_request():
 def test_dead_actor_on_health_is_engine_dead_error():
     with pytest.raises(EngineDeadError):
         asyncio.run(EngineClient(FakeHandle([])).health())
+
+
+def test_generate_passes_the_admission_group_to_the_engine():
+    handle = FakeHandle([RequestOutput("r1", [5], finished=True, finish_reason="length")])
+
+    async def go():
+        return [o async for o in EngineClient(handle).generate("r1", [1], SamplingParams(),
+                                                               group="http-7")]
+    assert [o.token_ids for o in asyncio.run(go())] == [[5]]
+    assert handle.groups == ["http-7"]
