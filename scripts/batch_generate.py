@@ -40,6 +40,7 @@ from pipeline.errors import EngineOverloadedError
 from pipeline.frontend import requests as reqs
 from pipeline.frontend.errors import APIError, bad_request
 from pipeline.frontend.responses import ChoiceState
+from pipeline.frontend.structured import request_grammar, wants_grammar
 from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.models.runners import load_engine_tokenizer
 from pipeline.params import SamplingParams
@@ -101,7 +102,8 @@ def parse_line(index: int, line: str, tokenizer: TokenizerAdapter, max_model_len
             one = prompts[0]
             ids = list(tokenizer.encode(one)) if isinstance(one, str) else list(one)
             reqs.check_prompt_ids(ids, vocab_size, "prompt")
-        params = reqs.to_sampling_params(req, len(ids), max_model_len)
+        grammar = request_grammar(req, tokenizer.tok) if wants_grammar(req) else None
+        params = reqs.to_sampling_params(req, len(ids), max_model_len, grammar=grammar)
     except APIError as e:
         return Item(index, item_id, error=e.message)
     return Item(index, item_id, ids, params)
