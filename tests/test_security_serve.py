@@ -42,7 +42,9 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     with open(os.path.join(ROOT, "configs", "tiny.yaml")) as f:
         config = yaml.safe_load(f)
-    config.update(max_model_len=1024, num_slots=2)  # the 4-choice stream runs in 2 waves
+    # The 4-choice stream runs in 2 waves: no slot is held back for newcomers (reserved_slots
+    # 1 would run it on one slot, 4 waves, past the drain grace).
+    config.update(max_model_len=1024, num_slots=2, reserved_slots=0)
     config_path = tmp / "tiny-long.yaml"
     config_path.write_text(yaml.safe_dump(config))
     with serve_process(config_path, tmp, {"SPECRELAY_API_KEY": KEY},
