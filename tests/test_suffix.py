@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 from reference_decode import greedy_reference
 
 from pipeline.config import load_config
-from pipeline.draft.step import build_proposer
+from pipeline.draft.base import Proposal
+from pipeline.draft.step import build_proposer, draft_step, keep_confident
 from pipeline.draft.suffix import SuffixProposer, SuffixSettings
 from pipeline.draft.suffix_index import TokenIndex
 from pipeline.engine.local import build_local_engine, collect
+from pipeline.engine.step_plan import StepPlan
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
 
@@ -212,3 +214,48 @@ def test_suffix_engine_greedy_equals_target_only_and_drafts_from_finished_reques
         assert again[f"b{i}"].token_ids == refs[i]
     # the second wave repeats the first wave's outputs, which the global index now holds
     assert core.stats.accepted_tokens - accepted_first > 2 * len(PROMPTS) * 10
+
+
+# --- the draft stage under adaptive speculation -----------------------------------------------
+def test_the_draft_stage_drafts_up_to_the_caps_and_keeps_drafts_above_the_floor():
+    p = SuffixProposer(SuffixSettings(max_model_len=64, spec_factor=8))
+    # in the global index twice: 1 2 3 -> 4 5 6 7 8 9, once: 1 2 3 -> 4 5 0
+    for rid, output in (("a", [4, 5, 6, 7, 8, 9]), ("b", [4, 5, 6, 7, 8, 9]), ("c", [4, 5, 0])):
+        p.add(rid, [1, 2, 3], GREEDY)
+        p.commit(rid, output)
+        p.remove(rid)
+    p.add("d", [1, 2, 3], GREEDY)
+    plan = StepPlan(step=0, decode=["d"], ks=[1], caps=[8], min_gains=[0.7])
+    proposal = draft_step(p, plan)
+    # the controller's k (1) does not limit a scored draft; the floor does: 4 and 5 follow
+    # 1 2 3 every time (1.0), 6 two times in three
+    assert proposal.tokens == [[4, 5]] and proposal.confidence == [[1.0, 1.0]]
+    plan = StepPlan(step=1, decode=["d"], ks=[1], caps=[8], min_gains=[0.5])
+    assert draft_step(p, plan).tokens == [[4, 5, 6, 7, 8, 9]]
+    assert keep_confident(Proposal([[1, 2, 3]], confidence=[[0.9, 0.6, 0.3]]), [0.6]) == [[1, 2]]
+    assert keep_confident(Proposal([[1, 2, 3]], confidence=[[0.9, 0.6, 0.3]]), [0.0]) == [[1, 2, 3]]
+
+
+def test_adaptive_suffix_engine_is_lossless_and_calibrates_on_the_verified_confidence():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = load_config("configs/tiny.yaml", {"draft": "suffix", "speculation": "adaptive",
+                                                   "num_speculative_tokens": 16})
+        runner = build_runner(config.replace(draft="none"))
+        refs = [greedy_reference(runner, p, 30) for p in PROMPTS]
+        core = build_local_engine(config, runner)
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+        outs = {}
+        for wave in "abc":
+            outs.update(asyncio.run(collect(
+                core, [(f"{wave}{i}", p, params) for i, p in enumerate(PROMPTS)])))
+    finally:
+        torch.set_num_threads(threads)
+    for wave in "abc":
+        for i in range(len(PROMPTS)):
+            assert outs[f"{wave}{i}"].token_ids == refs[i]
+    spec = core.scheduler.spec
+    assert core.stats.accepted_tokens > 0 and spec.pool.expected > 0  # scored drafts verified
+    assert 0 < spec.pool.accepted <= spec.pool.expected * 1.5
+    assert spec.tracked == 0  # finished requests leave no state

@@ -36,6 +36,10 @@ class Proposal:
 
 
 class Proposer(ABC):
+    # True when `propose` fills Proposal.confidence: the draft stage then drafts up to the
+    # plan's caps and keeps the drafts scored at least the plan's min_gains.
+    scores_drafts: bool = False
+
     @abstractmethod
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Start tracking a request (its sequence is the prompt)."""

@@ -29,11 +29,29 @@ def draft_step(proposer: Proposer, plan: StepPlan,
     for rid, tokens in plan.commits.items():
         proposer.commit(rid, tokens)
     start = time.perf_counter()
-    proposal = proposer.propose(plan.decode, plan.ks)
+    if proposer.scores_drafts and plan.caps:
+        proposal = proposer.propose(plan.decode, plan.caps)
+        _cut(proposal, keep_confident(proposal, plan.min_gains))
+    else:
+        proposal = proposer.propose(plan.decode, plan.ks)
     if grammars:
         _cut(proposal, grammars.cut(plan.decode, proposal.tokens))
     proposal.seconds = time.perf_counter() - start
     return proposal
+
+
+def keep_confident(proposal: Proposal, min_gains: list[float]) -> list[list[int]]:
+    """Each request's drafts up to the last one whose confidence is at least its floor
+    (confidence never grows along a draft, so this is a prefix)."""
+    if proposal.confidence is None:
+        return proposal.tokens
+    out = []
+    for tokens, conf, floor in zip(proposal.tokens, proposal.confidence, min_gains):
+        n = 0
+        while n < len(tokens) and n < len(conf) and conf[n] >= floor:
+            n += 1
+        out.append(tokens[:n])
+    return out
 
 
 def _cut(proposal: Proposal, tokens: list[list[int]]) -> None:

@@ -43,6 +43,8 @@ class _Request:
 
 
 class SuffixProposer(Proposer):
+    scores_drafts = True
+
     def __init__(self, settings: SuffixSettings) -> None:
         self.settings = settings
         self.global_index = TokenIndex(settings.global_tokens, settings.max_depth,

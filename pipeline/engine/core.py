@@ -232,7 +232,8 @@ class EngineCore:
         self.stats.record(outcome, len(plan.new))
         new = len(plan.new)  # the adaptive k learns from the decodes only
         self.scheduler.spec.observe(outcome.rids[new:], outcome.drafted[new:],
-                                    [len(t) for t in outcome.tokens[new:]], outcome.decode_s)
+                                    [len(t) for t in outcome.tokens[new:]], outcome.decode_s,
+                                    outcome.expected[new:] if outcome.expected else None)
         self.last_progress = time.time()
         output = asyncio.ensure_future(
             self._timed(self.stages.process(outcome.payload), plan.step, "output"))

@@ -24,7 +24,7 @@ MIN_SAMPLES = 16  # steps timed before the bound adapts
 
 def plan_tokens(plan: StepPlan) -> int:
     """The tokens a step computes: its prefills' prompts, k + 1 per verified request."""
-    return sum(len(n.prompt_ids) for n in plan.new) + sum(k + 1 for k in plan.ks)
+    return sum(len(n.prompt_ids) for n in plan.new) + sum(k + 1 for k in (plan.caps or plan.ks))
 
 
 class StallDetector:

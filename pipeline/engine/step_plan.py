@@ -29,7 +29,11 @@ class StepPlan:
     last_tokens: list[int] = field(default_factory=list)  # per decode rid: newest token, not in KV
     kv_lens: list[int] = field(default_factory=list)  # per decode rid: committed KV length
     num_outputs: list[int] = field(default_factory=list)  # per decode rid: output tokens so far
-    ks: list[int] = field(default_factory=list)  # per decode rid: most drafts it may take
+    ks: list[int] = field(default_factory=list)  # per decode rid: drafts to verify (controller)
+    # per decode rid: the most drafts room and length allow; a proposer that scores its drafts
+    # drafts up to it and keeps those scored at least min_gains (spec_control); empty: ks
+    caps: list[int] = field(default_factory=list)
+    min_gains: list[float] = field(default_factory=list)
     commits: dict[str, list[int]] = field(default_factory=dict)  # last step's tokens, per rid
     traceparent: str | None = None
 
@@ -48,5 +52,6 @@ class StepOutcome:
     rids: list[str]
     tokens: list[list[int]]  # accepted drafts + target token, per rid (before finish truncation)
     drafted: list[int]
+    expected: list[float | None] | None = None  # per rid: the verified drafts' summed confidence
     payload: Any = b""  # the msgpack message (bytes), or under Ray an object ref to it
     decode_s: float | None = None  # seconds drafting + verifying the decodes (not the prefills)

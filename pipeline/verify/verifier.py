@@ -72,6 +72,9 @@ class Verifier:
                                       max(len(d) for d in all_drafts) + 1, logits[0].shape[-1])
         result = _accept(logits, all_drafts, params, positions, q, self.generator, allowed)
         outcome = _outcome(plan, result, all_drafts, params)
+        if proposal is not None and proposal.confidence is not None:
+            outcome.expected = [None] * len(plan.new) + [
+                float(sum(c[: len(d)])) for c, d in zip(proposal.confidence, drafts)]
         if plan.decode:  # what the decodes cost: drafting, their forward, acceptance
             outcome.decode_s = (decode_s + time.perf_counter() - start
                                 + (proposal.seconds if proposal is not None else 0.0))
@@ -82,7 +85,7 @@ class Verifier:
         if proposal is None:
             return [[] for _ in plan.decode]
         out = []
-        for tokens, kv_len, k in zip(proposal.tokens, plan.kv_lens, plan.ks):
+        for tokens, kv_len, k in zip(proposal.tokens, plan.kv_lens, plan.caps or plan.ks):
             room = self.runner.max_len - kv_len - 1  # the last token takes one position
             out.append(list(tokens[: max(0, min(k, room))]))
         return out
