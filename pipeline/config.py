@@ -41,6 +41,7 @@ class EngineConfig:
     spec_cost_decay: float = 0.97  # per-step decay of the step-cost model's past observations
     spec_prior_weight: float = 2.0  # observations the pooled acceptance counts as per request
     spec_pool_alpha: float = 0.05  # weight of the newest request-step in the pooled EMA
+    spec_margin: float = 1.5  # a draft is verified only if its expected gain is this x its cost
     tensor_parallel_size: int = 1
     num_slots: int = 8
     max_model_len: int = 2048
@@ -130,7 +131,7 @@ class EngineConfig:
     def spec_settings(self) -> SpecSettings:
         return SpecSettings(self.speculation, self.num_speculative_tokens, self.spec_ema_alpha,
                             self.spec_prior, self.spec_probe_every, self.spec_cost_decay,
-                            self.spec_prior_weight, self.spec_pool_alpha)
+                            self.spec_prior_weight, self.spec_pool_alpha, self.spec_margin)
 
     @property
     def placement_spec(self) -> Placement:

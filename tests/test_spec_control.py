@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pipeline.config import load_config
@@ -10,11 +12,14 @@ from pipeline.engine.spec_control import (
     CostModel,
     SpecController,
     SpecSettings,
+    critical_weights,
     gains,
 )
 
 
 def controller(mode: str = "adaptive", max_k: int = 4, **kw) -> SpecController:
+    """A controller that verifies every draft that pays at all (margin 1) unless told."""
+    kw.setdefault("margin", 1.0)
     return SpecController(SpecSettings(mode, max_k, **kw))
 
 
@@ -166,7 +171,8 @@ def test_a_request_finished_before_its_step_is_observed_leaves_no_state_behind()
 
 @pytest.mark.parametrize("field,value", [("speculation", "always"), ("spec_ema_alpha", 0),
                                           ("spec_prior", 1.5), ("spec_probe_every", 0),
-                                          ("spec_cost_decay", "x")])
+                                          ("spec_cost_decay", "x"), ("spec_margin", 0.9),
+                                          ("spec_margin", True)])
 def test_bad_speculation_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         load_config("configs/tiny.yaml", {field: value})
@@ -199,3 +205,90 @@ def test_at_batch_8_with_costly_rows_the_pool_decides_a_new_requests_first_k():
     assert at_batch_8(0) == [0] * 8  # nothing known: the 0.5 prior does not pay here
     assert at_batch_8(5) == [4] * 8  # after copy text: every draft from the first step
     assert at_batch_8(2) == [1] * 8  # position 0 always kept, position 1 never
+
+
+# --- scored drafts: the floor the draft stage keeps drafts above ----------------------------
+def test_the_floor_is_the_break_even_gain_of_a_verify_row():
+    # b = 8, plain step 0.05 + 8 * 0.01 = 0.13 s (61.5 tokens/s) and no draft pays (the pool's
+    # prior 0.5 < 0.615), so a verify row must bring 61.5 * 0.01 = 0.615 tokens.
+    c = controller()
+    rids = [f"r{i}" for i in range(8)]
+    assert c.min_gains(rids) == [math.inf] * 8  # nothing measured: no draft pays
+    trained(c, base=0.05, per_row=0.01)
+    assert c.choose(rids, [4] * 8) == [0] * 8
+    # (the fit still carries a little of its first-step prior)
+    assert c.min_gains(rids) == pytest.approx([0.13 ** -1 * 8 * 0.01] * 8, rel=0.05)
+
+
+def test_fixed_mode_and_pinned_requests_keep_every_scored_draft():
+    assert controller("fixed").min_gains(["a", "b"]) == [0.0, 0.0]
+    c = controller()
+    trained(c, base=0.05, per_row=0.01)
+    c.choose(["a", "b"], [4, 4], pinned=[True, False])
+    gains_ = c.min_gains(["a", "b"], pinned=[True, False])
+    assert gains_[0] == 0.0 and gains_[1] > 0.0
+
+
+def test_a_request_whose_scored_drafts_fail_needs_more_confidence_than_one_whose_succeed():
+    c = controller()
+    trained(c, base=0.05, per_row=0.01)
+    c.choose(["good", "bad"], [4, 4])
+    for _ in range(10):  # both were told 3.6 tokens would be accepted of 4 drafts
+        c.observe(["good", "bad"], [4, 4], [5, 1], None, expected=[3.6, 3.6])
+    c.choose(["good", "bad"], [4, 4])
+    good, bad = c.min_gains(["good", "bad"])
+    assert good < c.floor < bad  # good: calibration > 1 (4 of 3.6); bad: far below 1
+    assert bad > 1.0  # nothing a proposer can score (confidence <= 1) is verified for it
+    # the pool learned too: a new request starts less trusting than the prior (1.0)
+    c.choose(["new"], [4])
+    assert c.min_gains(["new"])[0] > c.floor
+
+
+def test_the_margin_drops_drafts_that_pay_only_a_little():
+    # b = 8 at 61.5 tokens/s plain: a draft pays from 0.615 expected tokens (one row, 0.01 s);
+    # with margin 1.5 it must bring 0.92. r0's first draft is always accepted, r1's 3 times in
+    # 4, the others' never.
+    rids = [f"r{i}" for i in range(8)]
+    ks = {}
+    for margin in (1.0, 1.5):
+        c = controller(margin=margin, max_k=1)
+        trained(c, base=0.05, per_row=0.01)
+        c.choose(rids, [1] * 8)
+        for t in range(40):
+            c.observe(rids, [1] * 8, [2, 1 if t % 4 == 0 else 2] + [1] * 6, None)
+        assert 0.7 < c.estimate("r1")[0] < 0.9 and c.estimate("r0")[0] > 0.95
+        ks[margin] = c.choose(rids, [1] * 8)
+    assert ks[1.0] == [1, 1] + [0] * 6
+    assert ks[1.5] == [1, 0] + [0] * 6
+
+
+def test_critical_weights_value_gains_by_how_close_a_request_is_to_ending_the_batch():
+    # expected steps left: 40 / (1 + 1.7) and 40 / 1.1; the longest is the one the batch awaits
+    assert critical_weights([[0.9, 0.8], [0.1]], [40, 40]) == pytest.approx([1.1 / 2.7, 1.0])
+    assert critical_weights([[0.9, 0.8], [0.1]], [4, 40])[0] == pytest.approx(4 / 2.7 / (40 / 1.1))
+    assert critical_weights([[0.5], [0.5]], [0, 0]) == [1.0, 1.0]
+
+
+def test_a_copy_request_among_long_chats_drafts_only_while_requests_queue():
+    c = controller()
+    trained(c, base=0.05, per_row=0.01)
+    rids = [f"r{i}" for i in range(8)]
+    c.choose(rids, [4] * 8)
+    for _ in range(30):  # r0, r1 copy (every draft accepted), the rest never
+        c.observe(rids[:2], [4, 4], [5, 5], None)
+        c.observe(rids[2:], [1] * 6, [1] * 6, None)
+    remaining = [50] * 8
+    assert c.choose(rids, [4] * 8, remaining=remaining, queued=True)[:2] == [4, 4]
+    # nobody waits for a slot: the batch ends when the chats end, whatever r0 and r1 do
+    assert c.choose(rids, [4] * 8, remaining=remaining, queued=False) == [0] * 8
+    # ... unless the copies are the ones with the most left to do
+    assert c.choose(rids, [4] * 8, remaining=[200, 200] + [10] * 6, queued=False)[:2] == [4, 4]
+
+
+def test_no_probe_where_even_a_sure_draft_would_not_pay():
+    c = controller(probe_every=2, margin=1.5)
+    trained(c, base=0.0, per_row=0.01)  # a row costs a plain row's time: no draft pays 1.5x
+    rids = [f"r{i}" for i in range(8)]
+    c.choose(rids, [4] * 8)
+    assert c.floor > 1.0
+    assert all(c.choose(rids, [4] * 8) == [0] * 8 for _ in range(6))

@@ -158,8 +158,11 @@ class Scheduler:
             # No drafts past the output cap or past the slot's max_len.
             plan.ks.append(max(0, min(self.k, req.remaining - 1,
                                       self.max_model_len - req.seq_len)))
-        plan.ks = self.spec.choose(plan.decode, plan.ks, [
-            r.params.seed is not None and r.params.temperature > 0 for r in decode])
+        plan.caps = list(plan.ks)
+        pinned = [r.params.seed is not None and r.params.temperature > 0 for r in decode]
+        plan.ks = self.spec.choose(plan.decode, plan.ks, pinned,
+                                   [r.remaining for r in decode], bool(self.waiting))
+        plan.min_gains = self.spec.min_gains(plan.decode, pinned)
         for req in admitted:
             req.status = Status.RUNNING
             self.running[req.rid] = req

@@ -11,9 +11,24 @@ Drafting j tokens yields `1 + sum_{m<=j} S_m` expected tokens, S_m = p[0] * ... 
 m-th draft's marginal gain S_m never grows with m. The engine measures what a step costs
 (`CostModel`: seconds ~ base + per_row * verify rows + per_draft * longest draft), so for each
 cap K on the longest draft the best rows are the largest gains; the plan keeps the (K, rows) with
-the most expected retained tokens per second for the whole batch. A request held at k = 0 for
-`probe_every` steps gets one draft, so text that turns repetitive earns drafts again. Each step
+the most expected retained tokens per second for the whole batch, with every draft's cost counted
+`margin` times: a draft is verified only where its expected gain clearly pays (the estimates are
+noisy, and a verify row slows every request in the batch). When no request waits for a slot, a
+request's gains are also weighed by how close it is to being the one the batch waits for
+(`critical_weights`): finishing a copy-like request early does not end a batch whose other
+requests have far to go. A request held at k = 0 for
+`probe_every` steps gets one draft, so text that turns repetitive earns drafts again (only where
+a draft sure to be accepted would pay: never at a batch where no draft can). Each step
 costs O(batch * max_k * log) here, whatever the output lengths.
+
+A proposer that scores its drafts (`Proposal.confidence`: the chance drafts 0..j are all
+accepted, e.g. suffix drafting) knows, per step, which drafts are likely; a per-position average
+cannot (it would keep a long confident suffix draft unverified, or verify a short unlikely one).
+For such proposers the controller sends a floor instead (`min_gains`): the draft stage keeps the
+drafts whose confidence is at least it. The floor is the break-even gain, the expected tokens a
+verify row must bring to pay for itself at the plan's rate (rate * seconds per row), divided by
+the request's calibration (accepted drafts / the confidence that was verified: its own, blended
+with the pool's, so a proposer that overrates a request is trusted less there).
 
 Lossless by construction: k only decides how many drafts are checked, never which token the
 target keeps (greedy output is identical; rejection sampling preserves the distribution for any k
@@ -22,6 +37,7 @@ chosen from the past).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +55,7 @@ class SpecSettings:
     cost_decay: float = 0.97  # per-step decay of the cost model's past observations
     prior_weight: float = 2.0  # observations the pooled estimate counts as in a request's own
     pool_alpha: float = 0.05  # weight of the newest request-step in the engine-wide EMA
+    margin: float = 1.5  # a draft's expected gain must beat its cost by this factor
 
 
 @dataclass
@@ -50,6 +67,8 @@ class Acceptance:
     mean: list[float]
     seen: list[int]
     idle: int = 0
+    accepted: float = 0.0  # decayed sums over scored drafts: tokens accepted,
+    expected: float = 0.0  # and the confidence the proposer gave them
 
     @classmethod
     def empty(cls, max_k: int) -> Acceptance:
@@ -63,6 +82,14 @@ class Acceptance:
             weight = max(alpha, 1.0 / self.seen[i])
             self.mean[i] += weight * ((1.0 if i < accepted else 0.0) - self.mean[i])
 
+    def calibrate(self, expected: float, accepted: int, decay: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.expected = decay * self.expected + expected
+
+    def calibration(self, prior: float, prior_weight: float) -> float:
+        """Accepted / expected, the prior counting as `prior_weight` expected tokens."""
+        return (self.accepted + prior_weight * prior) / (self.expected + prior_weight)
+
     def estimate(self, prior: list[float], prior_weight: float,
                  carry: bool = False) -> list[float]:
         """Per position (w * prior + n * mean) / (w + n), n = observations. `carry` (the pool):
@@ -74,6 +101,19 @@ class Acceptance:
             before = (prior_weight * p + n * mean) / (prior_weight + n)
             out.append(before)
         return out
+
+
+def critical_weights(gains: list[list[float]], remaining: list[int]) -> list[float]:
+    """What a token gained on each request is worth to the batch when no request waits for a
+    slot: the batch runs until its longest request ends, so a gain shortens it only on the
+    requests the others wait for. A request's weight is its expected steps left (remaining
+    tokens over 1 + its expected gain per step) over the largest; a request that drafts well
+    and would finish long before the others gains the batch little by finishing sooner still."""
+    steps = [r / (1.0 + sum(g)) for g, r in zip(gains, remaining)]
+    longest = max(steps, default=0.0)
+    if longest <= 0:
+        return [1.0] * len(steps)
+    return [min(1.0, x / longest) for x in steps]
 
 
 def gains(p: list[float], k: int) -> list[float]:
@@ -136,35 +176,63 @@ class SpecController:
         self.cost = CostModel(settings.cost_decay)
         self.pool = Acceptance.empty(settings.max_k)  # every request's outcomes, recent first
         self._acc: dict[str, Acceptance] = {}
+        self.floor = math.inf  # break-even gain of a verify row (tokens); > 1: no draft pays
+        self._weights: dict[str, float] = {}  # this step's critical weight per request
 
-    def choose(self, rids: list[str], caps: list[int],
-               pinned: list[bool] | None = None) -> list[int]:
+    def choose(self, rids: list[str], caps: list[int], pinned: list[bool] | None = None,
+               remaining: list[int] | None = None, queued: bool = True) -> list[int]:
         """k per request, each at most its cap (room left under the length limits). A pinned
         request always gets its cap: a seeded sampled request's random stream is keyed by the
         output position a step starts at, so a k that follows measured timings would make its
-        output irreproducible (the distribution would still be right)."""
+        output irreproducible (the distribution would still be right).
+
+        `remaining` (tokens each request may still produce) and `queued` (requests wait for a
+        slot) weigh each request's gains by how much finishing it sooner is worth (`weights`)."""
         s = self.settings
         caps = [max(0, min(s.max_k, c)) for c in caps]
         if s.mode == "fixed" or not rids:
             return caps
         accs = [self._state(r) for r in rids]
+        weights = [1.0] * len(rids)
         if not self.cost.known:  # nothing measured yet: one plain step sets the scale
             ks = [0] * len(rids)
+            self.floor = math.inf
         else:
             pooled = self.pooled()
-            ks = self._best([gains(a.estimate(pooled, s.prior_weight), c)
-                             for a, c in zip(accs, caps)])
+            gs = [gains(a.estimate(pooled, s.prior_weight), c) for a, c in zip(accs, caps)]
+            if remaining is not None and not queued:
+                weights = critical_weights(gs, remaining)
+            ks = self._best([[g * w for g in gl] for gl, w in zip(gs, weights)])
+        self._weights = dict(zip(rids, weights))
         for i, (a, cap) in enumerate(zip(accs, caps)):
             if pinned is not None and pinned[i]:
                 ks[i] = cap
                 continue
             if ks[i] == 0 and cap > 0:
                 a.idle += 1
-                if a.idle >= s.probe_every:
+                # a probe only where a draft sure to be accepted would pay for its row
+                if a.idle >= s.probe_every and weights[i] >= self.floor:
                     ks[i] = 1
             if ks[i] > 0:
                 a.idle = 0
         return ks
+
+    def min_gains(self, rids: list[str], pinned: list[bool] | None = None) -> list[float]:
+        """Per request, the least confidence a scored draft needs to be verified this step (call
+        after `choose`): the break-even gain over the request's calibration. 0 (keep every
+        draft) in fixed mode and for pinned requests."""
+        s = self.settings
+        if s.mode == "fixed":
+            return [0.0] * len(rids)
+        pool = self.pool.calibration(1.0, s.prior_weight)
+        out = []
+        for i, rid in enumerate(rids):
+            if pinned is not None and pinned[i]:
+                out.append(0.0)
+                continue
+            calib = self._state(rid).calibration(pool, s.prior_weight)
+            out.append(self.floor / max(calib * self._weights.get(rid, 1.0), 1e-3))
+        return out
 
     def pooled(self) -> list[float]:
         """The engine-wide estimate per position: where a new request starts."""
@@ -180,6 +248,7 @@ class SpecController:
     def _best(self, gains: list[list[float]]) -> list[int]:
         batch = len(gains)
         base, per_row, per_draft = self.cost.coefficients(batch)
+        per_row, per_draft = per_row * self.settings.margin, per_draft * self.settings.margin
         # Every candidate draft once, largest gain first (ties: earlier position first); per
         # cap on the longest draft, the rate of every prefix at once: O(batch * max_k) a cap.
         flat = [(-g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs)]
@@ -188,6 +257,7 @@ class SpecController:
         cand = np.array(sorted(flat))
         gain, pos, req = -cand[:, 0], cand[:, 1].astype(int), cand[:, 2].astype(int)
         best, best_rate = [0] * batch, batch / base
+        self.floor = best_rate * per_row  # updated below with the chosen plan's rate
         for longest in range(1, int(pos.max()) + 2):
             taken = pos < longest
             tokens = batch + np.cumsum(gain[taken])
@@ -197,20 +267,27 @@ class SpecController:
             if rate[top] > best_rate:  # gains per request fall with position: prefixes
                 best = np.bincount(req[taken][:top + 1], minlength=batch).tolist()
                 best_rate = float(rate[top])
+        self.floor = best_rate * per_row
         return best
 
     def observe(self, rids: list[str], drafted: list[int], num_tokens: list[int],
-                seconds: float | None) -> None:
+                seconds: float | None, expected: list[float] | None = None) -> None:
         """A decode step's outcome: per request drafts verified and tokens produced (accepted
-        drafts + 1); `seconds` the measured step time (None: not measured). A request finished
+        drafts + 1); `seconds` the measured step time (None: not measured); `expected` the
+        confidence the verified drafts had (their sum; None: not scored). A request finished
         meanwhile still teaches the pool but gets no state back (it would never be forgotten)."""
         s = self.settings
-        for rid, d, n in zip(rids, drafted, num_tokens):
+        for i, (rid, d, n) in enumerate(zip(rids, drafted, num_tokens)):
             if d > 0:
                 self.pool.update(d, n - 1, s.pool_alpha)
                 own = self._acc.get(rid)
                 if own is not None:
                     own.update(d, n - 1, s.ema_alpha)
+                if expected is not None and expected[i] is not None:
+                    accepted = min(n - 1, d)
+                    self.pool.calibrate(expected[i], accepted, 1.0 - s.pool_alpha)
+                    if own is not None:
+                        own.calibrate(expected[i], accepted, 1.0 - s.ema_alpha)
         if seconds is not None and rids:
             self.cost.observe(len(rids) + sum(drafted), max(drafted, default=0), seconds)
 
@@ -242,6 +319,9 @@ def validate(settings: SpecSettings) -> None:
     probe = settings.probe_every
     if isinstance(probe, bool) or not isinstance(probe, int) or probe < 1:
         raise ValueError(f"spec_probe_every: must be an integer >= 1, got {probe!r}")
+    margin = settings.margin
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
+        raise ValueError(f"spec_margin: must be a number >= 1, got {margin!r}")
     weight = settings.prior_weight
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
         raise ValueError(f"spec_prior_weight: must be a number >= 0, got {weight!r}")
