@@ -10,10 +10,14 @@ up to SUFFIX_K) and `suffix-fixed` (suffix drafts, k = SUFFIX_K: only the drafts
 SmolLM2-135M has no smaller sibling here, so the `model` draft is a STAND-IN: the target's own
 weights with most layers skipped (`--draft-layers`).
 
-Protocol: "batch b" means b requests in flight together (waves of b; a wave starts when the
-previous one has finished, so TTFT never includes queueing). Every mode runs every wave of a
-cell, the modes interleaved wave by wave, in a rotated order per repetition (`--reps`, >= 3 for
-numbers worth quoting); a cell reports the median of its repetitions and their spread. CPU time is
+Protocol: "batch b" means at most b requests in flight, closed loop as a served engine runs: a
+request is submitted the moment another finishes, max(b, `--requests`) requests per repetition
+(TTFT never includes queueing: a request's clock starts at its submission). tok/s is all
+tokens over the whole wall time of the same work (the drain included: a rate over only the
+busy part would credit a mode for prefills it started early and charge it for their tokens
+never). Every mode runs the same requests of a cell, the
+modes interleaved repetition by repetition in a rotated order (`--reps`, >= 3 for numbers worth
+quoting); a cell reports the median of its repetitions and their spread. CPU time is
 this process's (every thread) in-process, and the Ray processes' (the driver's descendants:
 raylet, GCS, actors) for the Ray row, labelled with the cores Ray was given. Greedy outputs of
 every engine run are compared with an independent reference (target-only, one request at a time,
@@ -148,7 +152,7 @@ class RunResult:
     requests: int
     output_tokens: int
     wall_s: float
-    tokens_per_s: float
+    tokens_per_s: float  # median over repetitions of all tokens / the whole wall time
     requests_per_s: float
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
@@ -226,20 +230,29 @@ class Request:
     ids: list[int]
 
 
-def waves(requests: list[Request], batch: int) -> list[list[Request]]:
-    return [requests[i:i + batch] for i in range(0, len(requests), batch)]
+async def closed_loop(requests: list[Request], batch: int,
+                      run: Callable[[Request], Any]) -> list[Trace]:
+    """`run(r)` (a coroutine giving a Trace) for every request, at most `batch` at a time."""
+    gate = asyncio.Semaphore(batch)
+
+    async def one(r: Request) -> Trace:
+        async with gate:
+            return await run(r)
+
+    return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-async def run_local_wave(core: Any, wave: list[Request], params: Any) -> list[Trace]:
+async def run_local_wave(core: Any, wave: list[Request], params: Any,
+                         batch: int) -> list[Trace]:
     core.start()
-    traces = await asyncio.gather(*(stream_one(
-        lambda r=r: core.add_request(r.rid, r.ids, params), r.rid) for r in wave))
+    traces = await closed_loop(wave, batch, lambda r: stream_one(
+        lambda: core.add_request(r.rid, r.ids, params), r.rid))
     # Let the release-only plan free the slots before the next wave reuses the runner.
     for _ in range(1000):
         if not core.scheduler.has_work:
             break
         await asyncio.sleep(0)
-    return list(traces)
+    return traces
 
 
 @dataclass
@@ -275,7 +288,7 @@ def snapshot(stats: Any) -> dict[str, Any]:
 
 def merge(engine: str, mode: str, workload: str, batch: int,
           reps: list[list[Segment]]) -> RunResult:
-    """One RunResult from a mode's waves, per repetition (interleaved with the other modes'):
+    """One RunResult from a mode's segments, per repetition (interleaved with the other modes'):
     tok/s is the median over repetitions, totals are over all of them."""
     segs = [s for r in reps for s in r]
     traces = [t for s in segs for t in s.traces]
@@ -392,12 +405,14 @@ class LocalBench:
             proposer = DraftModelProposer(self.draft_runner)
         return build_local_engine(cfg, self.target, proposer, timed_stages(self.clock))
 
-    def run_wave(self, mode: str, wave: list[Request], params: Any) -> Segment:
+    def run_wave(self, mode: str, wave: list[Request], params: Any,
+                 batch: int | None = None) -> Segment:
+        """`wave` with at most `batch` (default: all) in flight."""
         core = self.core(mode)
         before = snapshot(core.stats)
         self.clock.times = StageTimes()
         t0, c0 = time.perf_counter(), time.process_time()
-        traces = asyncio.run(run_local_wave(core, wave, params))
+        traces = asyncio.run(run_local_wave(core, wave, params, batch or len(wave)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return Segment(traces, wall, cpu, stats_delta(before, snapshot(core.stats)),
                        self.clock.times)
@@ -473,26 +488,24 @@ def run_ray(bench: LocalBench, config: Any, mode: str, workload: str, batches: l
     client = EngineClient(handle)
     results = []
 
-    async def go(tag: str, wave: list[Request]) -> list[Trace]:
-        traces = await asyncio.gather(*(stream_one(
-            lambda r=r: client.generate(f"{tag}-{r.rid}", r.ids, params), r.rid)
-            for r in wave))
-        return list(traces)
+    async def go(tag: str, wave: list[Request], batch: int) -> list[Trace]:
+        return await closed_loop(wave, batch, lambda r: stream_one(
+            lambda: client.generate(f"{tag}-{r.rid}", r.ids, params), r.rid))
 
     try:
-        asyncio.run(go("warm", requests_for(workload, 1, 0)[:1]))  # first forwards, actor paths
+        asyncio.run(go("warm", requests_for(workload, 1, 0)[:1], 1))  # first forwards, actor paths
         for batch in batches:
             ray_reps, local_reps = [], []
             for rep in range(reps):
                 ray_segs, local_segs = [], []
-                for i, wave in enumerate(waves(requests_for(workload, batch, rep), batch)):
-                    local_segs.append(bench.run_wave(mode, wave, params))
-                    before = snapshot(ray.get(handle.stats.remote()))
-                    t0, c0 = time.perf_counter(), process_tree_cpu_s()
-                    traces = asyncio.run(go(f"ray{batch}.{i}", wave))
-                    wall, cpu = time.perf_counter() - t0, process_tree_cpu_s() - c0
-                    spec = stats_delta(before, snapshot(ray.get(handle.stats.remote())))
-                    ray_segs.append(Segment(traces, wall, cpu, spec))
+                load = requests_for(workload, batch, rep)
+                local_segs.append(bench.run_wave(mode, load, params, batch))
+                before = snapshot(ray.get(handle.stats.remote()))
+                t0, c0 = time.perf_counter(), process_tree_cpu_s()
+                traces = asyncio.run(go(f"ray{batch}.{rep}", load, batch))
+                wall, cpu = time.perf_counter() - t0, process_tree_cpu_s() - c0
+                spec = stats_delta(before, snapshot(ray.get(handle.stats.remote())))
+                ray_segs.append(Segment(traces, wall, cpu, spec))
                 ray_reps.append(ray_segs)
                 local_reps.append(local_segs)
             res = merge("ray", mode, workload, batch, ray_reps)
@@ -637,6 +650,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=["none", "adaptive", "k2", "k4", "k8"],
                    choices=MODES)
     p.add_argument("--reps", type=int, default=3, help="repetitions per cell (median, spread)")
+    p.add_argument("--requests", type=int, default=16,
+                   help="requests per repetition at batch b > 1: max(b, this), b in flight")
+    p.add_argument("--warm-requests", type=int, default=0,
+                   help="a workload's last N prompts, served untimed by every mode before its "
+                        "cells (a running server's state: the adaptive pool, the suffix global "
+                        "index); timed requests never reuse them")
     p.add_argument("--requests-b1", type=int, default=1,
                    help="requests per batch-1 wave set (batch b > 1 runs b requests)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -682,10 +701,14 @@ def main(argv: list[str] | None = None) -> int:
     eos = eos_token_ids(tok)
     workloads = {w: [Request(p.id, encode_prompt(tok, p.text)) for p in load_workload(w)]
                  for w in args.workloads}
+    for w, reqs in workloads.items():
+        if not 0 <= args.warm_requests < len(reqs):
+            raise SystemExit(f"--warm-requests: {w} has {len(reqs)} prompts, "
+                             f"{args.warm_requests} would leave none to time")
 
     def requests_for(w: str, batch: int, rep: int) -> list[Request]:
-        n = args.requests_b1 if batch == 1 else batch
-        reqs = workloads[w]
+        n = args.requests_b1 if batch == 1 else max(batch, args.requests)
+        reqs = workloads[w][: len(workloads[w]) - args.warm_requests]  # never a warm-up prompt
         return [Request(f"{reqs[(i + rep * n) % len(reqs)].rid}#{i}.{rep}",
                         reqs[(i + rep * n) % len(reqs)].ids) for i in range(n)]
 
@@ -701,6 +724,11 @@ def main(argv: list[str] | None = None) -> int:
             hf_wave(hf_model, mode, warm, 8, args.hf_k, config.ngram_max_n, eos)
     results: list[RunResult] = []
     for w in args.workloads:
+        if args.warm_requests:  # the workload's last prompts, served untimed by every mode
+            served = workloads[w][-args.warm_requests:]
+            for mode in args.modes:
+                bench.run_wave(mode, [Request(f"warm-{r.rid}", r.ids) for r in served], params,
+                               min(8, len(served)))
         for batch in args.batches:
             if batch not in args.plan_batches[w]:
                 continue
@@ -709,17 +737,17 @@ def main(argv: list[str] | None = None) -> int:
                 modes += [("hf", "hf"), ("hf", "hf-pld")]
             reps: dict[tuple[str, str], list[list[Segment]]] = {m: [] for m in modes}
             for rep in range(args.reps):
-                # Waves interleaved across modes, the order rotated per repetition: machine
+                # Modes interleaved, the order rotated per repetition: machine
                 # noise and cache warmth hit every mode alike.
                 order = modes[rep % len(modes):] + modes[:rep % len(modes)]
                 for m in modes:
                     reps[m].append([])
-                for wave in waves(requests_for(w, batch, rep), batch):
-                    for engine, mode in order:
-                        reps[(engine, mode)][-1].append(
-                            bench.run_wave(mode, wave, params) if engine == "local"
-                            else hf_wave(hf_model, mode, wave, args.max_tokens, args.hf_k,
-                                         config.ngram_max_n, eos))
+                load = requests_for(w, batch, rep)
+                for engine, mode in order:
+                    reps[(engine, mode)][-1].append(
+                        bench.run_wave(mode, load, params, batch) if engine == "local"
+                        else hf_wave(hf_model, mode, load, args.max_tokens, args.hf_k,
+                                     config.ngram_max_n, eos))
             for (engine, mode), rs in reps.items():
                 res = merge(engine, mode, w, batch, rs)
                 results.append(res)

@@ -22,12 +22,13 @@ def _bench_module():
 def test_bench_runs_every_mode_interleaved_and_checks_outputs_and_statistics(tmp_path):
     bench = _bench_module()
     rc = bench.main(["--model", "tiny:0", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
-                     "--plan", "copy:1,2", "--max-tokens", "6", "--reps", "2", "--no-hf",
-                     "--no-plots", "--out", str(tmp_path)])
+                     "--plan", "copy:1,2", "--max-tokens", "6", "--reps", "2", "--requests", "4",
+                     "--no-hf", "--no-plots", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0
     assert report["greedy_equals_reference"] is True and report["num_reference_mismatches"] == 0
-    assert report["stats_identity_holds"] is True and report["requests_checked"] == 5 * 2 * 3
+    # per mode and repetition: 1 request at batch 1, 4 at batch 2 (2 in flight, closed loop)
+    assert report["stats_identity_holds"] is True and report["requests_checked"] == 5 * 2 * 5
     assert isinstance(report["meta"]["dirty"], bool) and report["meta"]["commit"]
     runs = {(r["mode"], r["batch"]) for r in report["runs"]}
     assert runs == {(m, b) for m in ("none", "adaptive", "k2", "k4", "k8") for b in (1, 2)}
