@@ -30,6 +30,7 @@ class Outcome:
     body: Any = None
     chunks: int = 0
     tokens: dict[int, list[str]] = field(default_factory=dict)  # completions logprobs tokens
+    spec: dict[int, dict] = field(default_factory=dict)  # a finished choice's spec_stats
 
     @property
     def ok(self) -> bool:
@@ -65,6 +66,8 @@ def completion(base: str, body: dict, headers: dict | None = None, timeout: floa
         for c in out.body["choices"]:
             out.text[c["index"]] = c["text"]
             out.terminal[c["index"]] = [c["finish_reason"]]
+            if "spec_stats" in c:
+                out.spec[c["index"]] = c["spec_stats"]
             if c.get("logprobs"):
                 out.tokens[c["index"]] = c["logprobs"]["tokens"]
         return out
@@ -99,6 +102,8 @@ def completion(base: str, body: dict, headers: dict | None = None, timeout: floa
                     out.tokens.setdefault(i, []).extend(c["logprobs"]["tokens"])
                 if c["finish_reason"] is not None:
                     out.terminal.setdefault(i, []).append(c["finish_reason"])
+                if "spec_stats" in c:
+                    out.spec[i] = c["spec_stats"]
     return out
 
 

@@ -4,6 +4,8 @@ prompts x n = 2 per request, back to back) for SPECRELAY_SOAK_S seconds (default
 
 Checks: every request sent is exactly one of completed / rejected (429) / errored / dropped by
 its own client, with errored == 0; every response ended each choice exactly once; every
+request answered whole satisfies the statistics identity (usage = sum over its choices of
+1 + verify_ct + accepted_tokens); every
 completed stream's text and tokens equal the same greedy request sent non-streamed afterwards;
 /health answered 200 within the readiness-probe timeout (3 s) throughout; the engine never
 failed (no stage rebuild); slots are all free afterwards and the RSS of the engine and stage
@@ -190,6 +192,15 @@ def test_soak_at_1_2x_capacity_keeps_every_invariant(base):
     rss_after = deployment_rss(APP)
     frac, extra = RSS_TOLERANCE
     assert rss_after <= rss_before * (1 + frac) + extra, (rss_before >> 20, rss_after >> 20)
+    # The statistics identity holds for every request answered whole: each choice's tokens are
+    # 1 (the prefill's) + one per verify step + the accepted drafts, so usage is their sum.
+    whole = [out for b, g, k, out in results if k == "completed" and not b["stream"]]
+    assert whole
+    for out in whole:
+        assert sorted(out.spec) == list(range(out.n)), out.body
+        assert out.body["usage"]["completion_tokens"] == sum(
+            1 + s["verify_ct"] + s["accepted_tokens"] for s in out.spec.values()), out.body
+        assert all(s["accepted_tokens"] <= s["draft_tokens"] for s in out.spec.values())
     # Every completed stream equals the same greedy request, non-streamed.
     streams = [(b, out) for b, g, k, out in results if k == "completed" and g is None
                and b["stream"]]
