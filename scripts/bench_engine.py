@@ -652,7 +652,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions per cell (median, spread)")
     p.add_argument("--requests", type=int, default=16,
                    help="requests per repetition at batch b > 1: max(b, this), b in flight")
-    p.add_argument("--warm-requests", type=int, default=0,
+    p.add_argument("--warm", nargs="*", default=[], metavar="WORKLOAD:N",
                    help="a workload's last N prompts, served untimed by every mode before its "
                         "cells (a running server's state: the adaptive pool, the suffix global "
                         "index); timed requests never reuse them")
@@ -681,6 +681,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.plan_batches[name] = [int(b) for b in batches.split(",")]
     args.batches = sorted({b for bs in args.plan_batches.values() for b in bs})
     args.workloads = list(args.plan_batches)
+    args.warm = {w: int(n) for w, n in (item.split(":") for item in args.warm)}
     return args
 
 
@@ -701,14 +702,13 @@ def main(argv: list[str] | None = None) -> int:
     eos = eos_token_ids(tok)
     workloads = {w: [Request(p.id, encode_prompt(tok, p.text)) for p in load_workload(w)]
                  for w in args.workloads}
-    for w, reqs in workloads.items():
-        if not 0 <= args.warm_requests < len(reqs):
-            raise SystemExit(f"--warm-requests: {w} has {len(reqs)} prompts, "
-                             f"{args.warm_requests} would leave none to time")
+    for w, n in args.warm.items():
+        if w not in workloads or not 0 <= n < len(workloads[w]):
+            raise SystemExit(f"--warm {w}:{n}: not a planned workload with more than {n} prompts")
 
     def requests_for(w: str, batch: int, rep: int) -> list[Request]:
         n = args.requests_b1 if batch == 1 else max(batch, args.requests)
-        reqs = workloads[w][: len(workloads[w]) - args.warm_requests]  # never a warm-up prompt
+        reqs = workloads[w][: len(workloads[w]) - args.warm.get(w, 0)]  # never a warm-up prompt
         return [Request(f"{reqs[(i + rep * n) % len(reqs)].rid}#{i}.{rep}",
                         reqs[(i + rep * n) % len(reqs)].ids) for i in range(n)]
 
@@ -724,8 +724,8 @@ def main(argv: list[str] | None = None) -> int:
             hf_wave(hf_model, mode, warm, 8, args.hf_k, config.ngram_max_n, eos)
     results: list[RunResult] = []
     for w in args.workloads:
-        if args.warm_requests:  # the workload's last prompts, served untimed by every mode
-            served = workloads[w][-args.warm_requests:]
+        if args.warm.get(w):  # the workload's last prompts, served untimed by every mode
+            served = workloads[w][-args.warm[w]:]
             for mode in args.modes:
                 bench.run_wave(mode, [Request(f"warm-{r.rid}", r.ids) for r in served], params,
                                min(8, len(served)))

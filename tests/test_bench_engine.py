@@ -23,6 +23,7 @@ def test_bench_runs_every_mode_interleaved_and_checks_outputs_and_statistics(tmp
     bench = _bench_module()
     rc = bench.main(["--model", "tiny:0", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
                      "--plan", "copy:1,2", "--max-tokens", "6", "--reps", "2", "--requests", "4",
+                     "--warm", "copy:2",
                      "--no-hf", "--no-plots", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0
