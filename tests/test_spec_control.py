@@ -246,8 +246,8 @@ def test_a_request_whose_scored_drafts_fail_needs_more_confidence_than_one_whose
 
 def test_the_margin_drops_drafts_that_pay_only_a_little():
     # b = 8 at 61.5 tokens/s plain: a draft pays from 0.615 expected tokens (one row, 0.01 s);
-    # with margin 1.5 it must bring 0.92. r0's first draft is always accepted, r1's 3 times in
-    # 4, the others' never.
+    # with margin 1.5 (1 + 0.5 * 7/8 at batch 8) it must bring 0.88. r0's first draft is always
+    # accepted, r1's 3 times in 4, the others' never.
     rids = [f"r{i}" for i in range(8)]
     ks = {}
     for margin in (1.0, 1.5):
@@ -292,3 +292,18 @@ def test_no_probe_where_even_a_sure_draft_would_not_pay():
     c.choose(rids, [4] * 8)
     assert c.floor > 1.0
     assert all(c.choose(rids, [4] * 8) == [0] * 8 for _ in range(6))
+
+
+def test_at_batch_1_the_margin_does_not_apply():
+    # 20 tokens/s plain (0.05 s); a draft costs 0.01 s: it pays from 0.2 expected tokens, at
+    # batch 1 whatever the margin (no other request waits on its row; margin 5 would ask 1.0)
+    ks = []
+    for margin in (1.0, 5.0):
+        c = controller(margin=margin, max_k=1)
+        trained(c, base=0.04, per_row=0.01)
+        c.choose(["a"], [1])
+        for t in range(40):
+            c.observe(["a"], [1], [1 + t % 2], None)  # accepted every other step
+        assert 0.3 < c.estimate("a")[0] < 0.7
+        ks.append(c.choose(["a"], [1]))
+    assert ks == [[1], [1]]

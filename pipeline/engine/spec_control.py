@@ -12,8 +12,10 @@ m-th draft's marginal gain S_m never grows with m. The engine measures what a st
 (`CostModel`: seconds ~ base + per_row * verify rows + per_draft * longest draft), so for each
 cap K on the longest draft the best rows are the largest gains; the plan keeps the (K, rows) with
 the most expected retained tokens per second for the whole batch, with every draft's cost counted
-`margin` times: a draft is verified only where its expected gain clearly pays (the estimates are
-noisy, and a verify row slows every request in the batch). When no request waits for a slot, a
+up to `margin` times at batch > 1: a draft is verified only where its expected gain clearly pays,
+since its verify row slows every other request in the batch (the factor grows with the share of
+the batch that is other requests, 1 + (margin - 1) * (b - 1) / b; at batch 1 the request's own
+rate is the whole objective). When no request waits for a slot, a
 request's gains are also weighed by how close it is to being the one the batch waits for
 (`critical_weights`): finishing a copy-like request early does not end a batch whose other
 requests have far to go. A request held at k = 0 for
@@ -55,7 +57,7 @@ class SpecSettings:
     cost_decay: float = 0.97  # per-step decay of the cost model's past observations
     prior_weight: float = 2.0  # observations the pooled estimate counts as in a request's own
     pool_alpha: float = 0.05  # weight of the newest request-step in the engine-wide EMA
-    margin: float = 1.5  # a draft's expected gain must beat its cost by this factor
+    margin: float = 1.5  # at a large batch a draft's gain must beat its cost by this factor
 
 
 @dataclass
@@ -248,7 +250,10 @@ class SpecController:
     def _best(self, gains: list[list[float]]) -> list[int]:
         batch = len(gains)
         base, per_row, per_draft = self.cost.coefficients(batch)
-        per_row, per_draft = per_row * self.settings.margin, per_draft * self.settings.margin
+        # the margin prices the slowdown a draft imposes on the batch's other requests: none at
+        # batch 1, where the request's own rate is exactly what is maximised
+        margin = 1.0 + (self.settings.margin - 1.0) * (batch - 1) / batch
+        per_row, per_draft = per_row * margin, per_draft * margin
         # Every candidate draft once, largest gain first (ties: earlier position first); per
         # cap on the longest draft, the rate of every prefix at once: O(batch * max_k) a cap.
         flat = [(-g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs)]
