@@ -232,6 +232,12 @@ def test_the_draft_stage_drafts_up_to_the_caps_and_keeps_drafts_above_the_floor(
     assert proposal.tokens == [[4, 5]] and proposal.confidence == [[1.0, 1.0]]
     plan = StepPlan(step=1, decode=["d"], ks=[1], caps=[8], min_gains=[0.5])
     assert draft_step(p, plan).tokens == [[4, 5, 6, 7, 8, 9]]
+    # a floor no confidence reaches: the proposer is not even asked
+    asked = []
+    real = p.propose
+    p.propose = lambda rids, ks: asked.append(ks) or real(rids, ks)
+    plan = StepPlan(step=2, decode=["d"], ks=[1], caps=[8], min_gains=[1.5])
+    assert draft_step(p, plan).tokens == [[]] and asked == [[0]]
     assert keep_confident(Proposal([[1, 2, 3]], confidence=[[0.9, 0.6, 0.3]]), [0.6]) == [[1, 2]]
     assert keep_confident(Proposal([[1, 2, 3]], confidence=[[0.9, 0.6, 0.3]]), [0.0]) == [[1, 2, 3]]
 

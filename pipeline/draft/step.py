@@ -30,7 +30,9 @@ def draft_step(proposer: Proposer, plan: StepPlan,
         proposer.commit(rid, tokens)
     start = time.perf_counter()
     if proposer.scores_drafts and plan.caps:
-        proposal = proposer.propose(plan.decode, plan.caps)
+        # a floor above 1 no confidence can reach: no lookup (at a large batch, none at all)
+        caps = [0 if floor > 1.0 else cap for cap, floor in zip(plan.caps, plan.min_gains)]
+        proposal = proposer.propose(plan.decode, caps)
         _cut(proposal, keep_confident(proposal, plan.min_gains))
     else:
         proposal = proposer.propose(plan.decode, plan.ks)
