@@ -589,8 +589,13 @@ def hf_agreement(results: list[RunResult],
     return out
 
 
+def paired(a: RunResult, b: RunResult) -> float:
+    """Median over repetitions of a's rate over b's in the same repetition (adjacent in time)."""
+    return percentile([x / y for x, y in zip(a.rep_tokens_per_s, b.rep_tokens_per_s)], 50) or 0.0
+
+
 def targets(results: list[RunResult]) -> dict[str, Any]:
-    """The issue's targets per cell (workload, batch), on median tok/s."""
+    """The issue's targets per cell (workload, batch), on median tok/s and paired ratios."""
     by = {(r.engine, r.mode, r.workload, r.batch): r for r in results}
     cells = sorted({(r.workload, r.batch) for r in results if r.engine == "local"})
     out: dict[str, Any] = {}
@@ -602,16 +607,19 @@ def targets(results: list[RunResult]) -> dict[str, Any]:
         cell: dict[str, Any] = {}
         if none is not None:
             cell["adaptive_vs_none (>= 0.97)"] = ad.tokens_per_s / none.tokens_per_s
+            cell["adaptive_vs_none_paired"] = paired(ad, none)
         if fixed:
             best = max(fixed.values(), key=lambda r: r.tokens_per_s)
             cell["best_fixed"] = best.mode
             cell["adaptive_vs_best_fixed (>= 0.97)"] = ad.tokens_per_s / best.tokens_per_s
+            cell["adaptive_vs_best_fixed_paired"] = min(paired(ad, r) for r in fixed.values())
             cell["beats_every_fixed"] = all(ad.tokens_per_s > r.tokens_per_s
                                             for r in fixed.values())
         for m in ("suffix", "suffix-fixed"):
             sx = by.get(("local", m, w, b))
             if sx is not None and none is not None:
                 cell[f"{m}_vs_none"] = sx.tokens_per_s / none.tokens_per_s
+                cell[f"{m}_vs_none_paired"] = paired(sx, none)
             if sx is not None:
                 cell[f"{m}_vs_adaptive_ngram"] = sx.tokens_per_s / ad.tokens_per_s
         out[f"{w}/b{b}"] = cell
