@@ -7,7 +7,6 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_decode import greedy_reference
@@ -192,26 +191,31 @@ def test_bad_suffix_config_names_the_field(field, value):
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 101], [3] * 20, [30, 31, 32, 33, 30, 31]]
 
 
-def test_suffix_engine_greedy_equals_target_only_and_drafts_from_finished_requests():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        # fixed: every step may take 16 drafts, so what is accepted depends on the index only
-        # (adaptive k follows measured step times)
-        config = load_config("configs/tiny.yaml", {"draft": "suffix", "speculation": "fixed",
-                                                   "num_speculative_tokens": 16})
-        runner = build_runner(config.replace(draft="none"))
-        refs = [greedy_reference(runner, p, 30) for p in PROMPTS]
-        core = build_local_engine(config, runner)
-        params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-        first = asyncio.run(collect(core, [(f"a{i}", p, params) for i, p in enumerate(PROMPTS)]))
-        accepted_first = core.stats.accepted_tokens
-        again = asyncio.run(collect(core, [(f"b{i}", p, params) for i, p in enumerate(PROMPTS)]))
-    finally:
-        torch.set_num_threads(threads)
-    for i in range(len(PROMPTS)):
-        assert first[f"a{i}"].token_ids == refs[i]
-        assert again[f"b{i}"].token_ids == refs[i]
+def suffix_engine(speculation: str):
+    """An in-process suffix engine (up to 16 drafts) on the tiny model, and each prompt's
+    target-only greedy reference."""
+    config = load_config("configs/tiny.yaml", {"draft": "suffix", "speculation": speculation,
+                                               "num_speculative_tokens": 16})
+    runner = build_runner(config.replace(draft="none"))
+    refs = [greedy_reference(runner, p, 30) for p in PROMPTS]
+    return build_local_engine(config, runner), refs
+
+
+def wave(core, tag: str) -> list[list[int]]:
+    """Every prompt once (30 tokens, EOS ignored): the output token ids, in prompt order."""
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    out = asyncio.run(collect(core, [(f"{tag}{i}", p, params) for i, p in enumerate(PROMPTS)]))
+    return [out[f"{tag}{i}"].token_ids for i in range(len(PROMPTS))]
+
+
+def test_suffix_engine_greedy_equals_target_only_and_drafts_from_finished_requests(
+        one_torch_thread):
+    # fixed: every step may take 16 drafts, so what is accepted depends on the index only
+    # (adaptive k follows measured step times)
+    core, refs = suffix_engine("fixed")
+    assert wave(core, "a") == refs
+    accepted_first = core.stats.accepted_tokens
+    assert wave(core, "b") == refs
     # the second wave repeats the first wave's outputs, which the global index now holds
     assert core.stats.accepted_tokens - accepted_first > 2 * len(PROMPTS) * 10
 
@@ -242,25 +246,11 @@ def test_the_draft_stage_drafts_up_to_the_caps_and_keeps_drafts_above_the_floor(
     assert keep_confident(Proposal([[1, 2, 3]], confidence=[[0.9, 0.6, 0.3]]), [0.0]) == [[1, 2, 3]]
 
 
-def test_adaptive_suffix_engine_is_lossless_and_calibrates_on_the_verified_confidence():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        config = load_config("configs/tiny.yaml", {"draft": "suffix", "speculation": "adaptive",
-                                                   "num_speculative_tokens": 16})
-        runner = build_runner(config.replace(draft="none"))
-        refs = [greedy_reference(runner, p, 30) for p in PROMPTS]
-        core = build_local_engine(config, runner)
-        params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-        outs = {}
-        for wave in "abc":
-            outs.update(asyncio.run(collect(
-                core, [(f"{wave}{i}", p, params) for i, p in enumerate(PROMPTS)])))
-    finally:
-        torch.set_num_threads(threads)
-    for wave in "abc":
-        for i in range(len(PROMPTS)):
-            assert outs[f"{wave}{i}"].token_ids == refs[i]
+def test_adaptive_suffix_engine_is_lossless_and_calibrates_on_the_verified_confidence(
+        one_torch_thread):
+    core, refs = suffix_engine("adaptive")
+    for tag in "abc":
+        assert wave(core, tag) == refs
     spec = core.scheduler.spec
     assert core.stats.accepted_tokens > 0 and spec.pool.expected > 0  # scored drafts verified
     assert 0 < spec.pool.accepted <= spec.pool.expected * 1.5

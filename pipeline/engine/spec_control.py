@@ -15,12 +15,11 @@ the most expected retained tokens per second for the whole batch, with every dra
 up to `margin` times at batch > 1: a draft is verified only where its expected gain clearly pays,
 since its verify row slows every other request in the batch (the factor grows with the share of
 the batch that is other requests, 1 + (margin - 1) * (b - 1) / b; at batch 1 the request's own
-rate is the whole objective). When no request waits for a slot, a
-request's gains are also weighed by how close it is to being the one the batch waits for
-(`critical_weights`): finishing a copy-like request early does not end a batch whose other
-requests have far to go. A request held at k = 0 for
-`probe_every` steps gets one draft, so text that turns repetitive earns drafts again (only where
-a draft sure to be accepted would pay: never at a batch where no draft can). Each step
+rate is the whole objective). When no request waits for a slot, a request's gains are also
+weighed by how close it is to being the one the batch waits for (`critical_weights`): finishing a
+copy-like request early does not end a batch whose other requests have far to go. A request held
+at k = 0 for `probe_every` steps gets one draft, so text that turns repetitive earns drafts again
+(only where a draft sure to be accepted would pay: never at a batch where no draft can). Each step
 costs O(batch * max_k * log) here, whatever the output lengths.
 
 A proposer that scores its drafts (`Proposal.confidence`: the chance drafts 0..j are all
