@@ -194,7 +194,8 @@ def test_soak_at_1_2x_capacity_keeps_every_invariant(base):
     assert rss_after <= rss_before * (1 + frac) + extra, (rss_before >> 20, rss_after >> 20)
     # The statistics identity holds for every request answered whole: each choice's tokens are
     # 1 (the prefill's) + one per verify step + the accepted drafts, so usage is their sum.
-    whole = [out for b, g, k, out in results if k == "completed" and not b["stream"]]
+    whole = [out for b, g, k, out in results if k == "completed" and g is None
+             and not b["stream"]]
     assert whole
     for out in whole:
         assert sorted(out.spec) == list(range(out.n)), out.body
