@@ -54,7 +54,10 @@ def test_finished_request_is_released_in_the_next_plan_and_its_slot_reused():
     s.finish("a")
     plan = s.schedule()
     assert plan.release == ["a"] and [n.rid for n in plan.new] == ["b"]
-    assert "a" not in plan.commits
+    # its last step's tokens were never committed: they ride with the release, once
+    assert "a" not in plan.commits and plan.finals == {"a": [7]}
+    s.apply(outcome(plan, {"b": [8]}))
+    assert s.schedule().finals == {}
 
 
 def test_decode_plan_carries_last_token_kv_len_and_commits():

@@ -171,6 +171,15 @@ def test_finished_output_drafts_for_the_next_request_with_the_same_prompt_end():
     assert p.global_index.num_runs == 1
 
 
+def test_a_finished_requests_last_step_enters_the_global_index():
+    p = SuffixProposer(SuffixSettings(max_model_len=64, spec_factor=8))
+    p.add("a", [1, 2, 3], GREEDY)
+    p.commit("a", [50, 51])
+    p.finish("a", [52, 53])  # its last step: released with the tokens it never committed
+    p.add("b", [7, 2, 3], GREEDY)
+    assert p.propose(["b"], [8]).tokens == [[50, 51, 52, 53]]
+
+
 def test_build_proposer_reads_the_suffix_config():
     config = load_config("configs/tiny.yaml", {"draft": "suffix", "suffix_global_requests": 7,
                                                "suffix_min_score": 0.25})
@@ -214,6 +223,10 @@ def test_suffix_engine_greedy_equals_target_only_and_drafts_from_finished_reques
     # (adaptive k follows measured step times)
     core, refs = suffix_engine("fixed")
     assert wave(core, "a") == refs
+    # every whole output is indexed, its last step too (it is never committed, only released):
+    # the prompt's last tokens, 30 output tokens and a separator per request
+    assert len(core.stages.proposer.global_index) == sum(min(len(p), 32) + 30 + 1
+                                                         for p in PROMPTS)
     accepted_first = core.stats.accepted_tokens
     assert wave(core, "b") == refs
     # the second wave repeats the first wave's outputs, which the global index now holds

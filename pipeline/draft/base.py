@@ -55,3 +55,8 @@ class Proposer(ABC):
     @abstractmethod
     def remove(self, rid: str) -> None:
         """Forget a request and free what it held; unknown rids are ignored."""
+
+    def finish(self, rid: str, tokens: list[int]) -> None:
+        """A request ended; `tokens` its last step's, never committed. Only a proposer that
+        learns from finished outputs needs them."""
+        self.remove(rid)

@@ -23,7 +23,7 @@ def draft_step(proposer: Proposer, plan: StepPlan,
     if grammars is not None:
         grammars.apply(plan)
     for rid in plan.release:
-        proposer.remove(rid)
+        proposer.finish(rid, plan.finals.get(rid, []))
     for new in plan.new:
         proposer.add(new.rid, new.prompt_ids, new.params)
     for rid, tokens in plan.commits.items():

@@ -67,6 +67,12 @@ class SuffixProposer(Proposer):
     def commit(self, rid: str, tokens: list[int]) -> None:
         self._seqs[rid].index.extend(tokens)
 
+    def finish(self, rid: str, tokens: list[int]) -> None:
+        req = self._seqs.get(rid)
+        if req is not None and tokens:  # the global index learns the whole output
+            req.index.extend(tokens[: req.index.capacity - req.index.end])
+        self.remove(rid)
+
     def remove(self, rid: str) -> None:
         req = self._seqs.pop(rid, None)
         if req is None or req.index.end == req.num_prompt:  # nothing generated: nothing to learn

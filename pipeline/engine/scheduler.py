@@ -80,6 +80,7 @@ class Scheduler:
         self.running: dict[str, EngineRequest] = {}
         self._held: Counter[str] = Counter()  # running slots per group
         self._release: list[str] = []
+        self._finals: dict[str, list[int]] = {}  # released requests' uncommitted tokens
         self._step = 0
 
     # --- requests in and out --------------------------------------------------------------
@@ -129,6 +130,8 @@ class Scheduler:
         if req is not None:
             req.status = Status.FINISHED
             self._release.append(rid)
+            if req.pending:
+                self._finals[rid] = req.pending
             self.spec.forget(rid)
             self._held[req.group] -= 1
             if self._held[req.group] <= 0:
@@ -143,9 +146,9 @@ class Scheduler:
         admitted = self.waiting.admit(self.num_slots - len(self.running), self._held)
         if not decode and not admitted and not self._release:
             return None
-        plan = StepPlan(step=self._step, release=self._release)
+        plan = StepPlan(step=self._step, release=self._release, finals=self._finals)
         self._step += 1
-        self._release = []
+        self._release, self._finals = [], {}
         for req in self.running.values():
             if req.pending:
                 plan.commits[req.rid] = req.pending

@@ -35,6 +35,9 @@ class StepPlan:
     caps: list[int] = field(default_factory=list)
     min_gains: list[float] = field(default_factory=list)
     commits: dict[str, list[int]] = field(default_factory=dict)  # last step's tokens, per rid
+    # a released request's last step's tokens, never committed (a proposer that learns from
+    # finished outputs, e.g. suffix drafting's global index, keeps the whole output)
+    finals: dict[str, list[int]] = field(default_factory=dict)
     traceparent: str | None = None
 
     @property
