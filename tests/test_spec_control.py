@@ -12,7 +12,7 @@ from pipeline.engine.spec_control import (
     CostModel,
     SpecController,
     SpecSettings,
-    critical_weights,
+    StepCosts,
     gains,
 )
 
@@ -23,11 +23,12 @@ def controller(mode: str = "adaptive", max_k: int = 4, **kw) -> SpecController:
     return SpecController(SpecSettings(mode, max_k, **kw))
 
 
-def trained(c: SpecController, base: float, per_row: float, steps: int = 40) -> None:
-    """Feed the cost model exact linear step times over varied row counts."""
-    for i in range(steps):
-        rows = 1 + i % 9
-        c.cost.observe(rows, 0, base + per_row * rows)
+def trained(c: SpecController, base: float, per_row: float, steps: int = 150) -> None:
+    """Feed every batch class's cost model exact linear step times over varied row counts."""
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        for i in range(steps):
+            rows = batch + i % 9
+            c.cost.observe(batch, rows, 0, base + per_row * rows)
 
 
 def test_acceptance_is_a_plain_mean_then_an_ema_only_at_positions_the_verifier_saw():
@@ -72,6 +73,20 @@ def test_the_cost_model_recovers_a_linear_step_time():
     assert (base, per_row, per_draft) == pytest.approx((0.05, 0.01, 0.002), abs=1e-4)
 
 
+def test_each_batch_class_learns_its_own_step_cost():
+    costs = StepCosts(decay=0.97)
+    for i in range(200):  # batch 8 (class 8-15): rows are costly
+        costs.observe(8, 8 + i % 9, 0, 0.05 + 0.01 * (8 + i % 9))
+    assert costs.known(12) and not costs.known(1) and not costs.known(16)
+    for i in range(200):  # batch 1: a row costs a tenth of that
+        costs.observe(1, 1 + i % 5, i % 5, 0.05 + 0.001 * (1 + i % 5) + 0.0005 * (i % 5))
+    base, per_row, per_draft = costs.coefficients(1)
+    # at batch 1 rows and the longest draft move together: only their sum is identified
+    assert base == pytest.approx(0.051, abs=2e-4) and per_row + per_draft == pytest.approx(
+        0.0015, abs=2e-4)
+    assert costs.coefficients(8)[1] == pytest.approx(0.01, abs=5e-4)  # batch 1 left it alone
+
+
 def test_cheap_rows_and_good_acceptance_draft_the_most():
     c = controller()
     trained(c, base=0.05, per_row=0.001)
@@ -112,7 +127,11 @@ def test_a_request_left_at_zero_is_probed_with_one_draft():
     c.choose(["a"], [4])  # its state starts at its first step
     for _ in range(20):
         c.observe(["a"], [4], [1], None)
-    assert [c.choose(["a"], [4])[0] for _ in range(6)] == [0, 0, 1, 0, 0, 1]
+    ks = []
+    for _ in range(8):  # each step's drafts are verified and rejected
+        ks.append(c.choose(["a"], [4])[0])
+        c.observe(["a"], ks[-1:], [1], None)
+    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]  # after 3 steps without a verified draft
 
 
 def test_caps_are_respected_and_forget_resets_a_request():
@@ -220,6 +239,23 @@ def test_the_floor_is_the_break_even_gain_of_a_verify_row():
     assert c.min_gains(rids) == pytest.approx([0.13 ** -1 * 8 * 0.01] * 8, rel=0.05)
 
 
+def test_a_probe_trusts_the_proposers_own_scores_once():
+    # a request whose scored drafts all failed: its calibration puts its floor out of reach, so
+    # nothing of it is verified and the calibration could never recover without a probe
+    c = controller(probe_every=2)
+    trained(c, base=0.05, per_row=0.01)
+    c.choose(["a"], [4])
+    for _ in range(30):
+        c.observe(["a"], [4], [1], None, expected=[3.0])
+    floors = []
+    for _ in range(3):  # nothing verified for 2 steps: the third step probes
+        c.choose(["a"], [4])
+        floors.append(c.min_gains(["a"])[0])
+        c.observe(["a"], [0], [1], None)
+    assert floors[0] > 1.0 and floors[1] > 1.0  # no confidence reaches it
+    assert floors[2] == pytest.approx(c.floor) and floors[2] < 1.0
+
+
 def test_fixed_mode_and_pinned_requests_keep_every_scored_draft():
     assert controller("fixed").min_gains(["a", "b"]) == [0.0, 0.0]
     c = controller()
@@ -262,14 +298,8 @@ def test_the_margin_drops_drafts_that_pay_only_a_little():
     assert ks[1.5] == [1, 0] + [0] * 6
 
 
-def test_critical_weights_value_gains_by_how_close_a_request_is_to_ending_the_batch():
-    # expected steps left: 40 / (1 + 1.7) and 40 / 1.1; the longest is the one the batch awaits
-    assert critical_weights([[0.9, 0.8], [0.1]], [40, 40]) == pytest.approx([1.1 / 2.7, 1.0])
-    assert critical_weights([[0.9, 0.8], [0.1]], [4, 40])[0] == pytest.approx(4 / 2.7 / (40 / 1.1))
-    assert critical_weights([[0.5], [0.5]], [0, 0]) == [1.0, 1.0]
-
-
-def test_a_copy_request_among_long_chats_drafts_only_while_requests_queue():
+def test_a_copy_request_among_long_chats_keeps_its_drafts():
+    # every request's tokens count alike: a copy that finishes sooner frees its slot for the next
     c = controller()
     trained(c, base=0.05, per_row=0.01)
     rids = [f"r{i}" for i in range(8)]
@@ -277,12 +307,7 @@ def test_a_copy_request_among_long_chats_drafts_only_while_requests_queue():
     for _ in range(30):  # r0, r1 copy (every draft accepted), the rest never
         c.observe(rids[:2], [4, 4], [5, 5], None)
         c.observe(rids[2:], [1] * 6, [1] * 6, None)
-    remaining = [50] * 8
-    assert c.choose(rids, [4] * 8, remaining=remaining, queued=True)[:2] == [4, 4]
-    # nobody waits for a slot: the batch ends when the chats end, whatever r0 and r1 do
-    assert c.choose(rids, [4] * 8, remaining=remaining, queued=False) == [0] * 8
-    # ... unless the copies are the ones with the most left to do
-    assert c.choose(rids, [4] * 8, remaining=[200, 200] + [10] * 6, queued=False)[:2] == [4, 4]
+    assert c.choose(rids, [4] * 8) == [4, 4] + [0] * 6
 
 
 def test_no_probe_where_even_a_sure_draft_would_not_pay():

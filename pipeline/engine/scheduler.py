@@ -163,8 +163,7 @@ class Scheduler:
                                       self.max_model_len - req.seq_len)))
         plan.caps = list(plan.ks)
         pinned = [r.params.seed is not None and r.params.temperature > 0 for r in decode]
-        plan.ks = self.spec.choose(plan.decode, plan.ks, pinned,
-                                   [r.remaining for r in decode], bool(self.waiting))
+        plan.ks = self.spec.choose(plan.decode, plan.ks, pinned)
         plan.min_gains = self.spec.min_gains(plan.decode, pinned)
         for req in admitted:
             req.status = Status.RUNNING

@@ -9,18 +9,20 @@ worse than the one before it, so after copied text a new request drafts long fro
 
 Drafting j tokens yields `1 + sum_{m<=j} S_m` expected tokens, S_m = p[0] * ... * p[m-1]; the
 m-th draft's marginal gain S_m never grows with m. The engine measures what a step costs
-(`CostModel`: seconds ~ base + per_row * verify rows + per_draft * longest draft), so for each
+(`CostModel`: seconds ~ base + per_row * verify rows + per_draft * longest draft, one model per
+batch class, `StepCosts`, since what a row costs depends on the batch), so for each
 cap K on the longest draft the best rows are the largest gains; the plan keeps the (K, rows) with
 the most expected retained tokens per second for the whole batch, with every draft's cost counted
 up to `margin` times at batch > 1: a draft is verified only where its expected gain clearly pays,
 since its verify row slows every other request in the batch (the factor grows with the share of
 the batch that is other requests, 1 + (margin - 1) * (b - 1) / b; at batch 1 the request's own
-rate is the whole objective). When no request waits for a slot, a request's gains are also
-weighed by how close it is to being the one the batch waits for (`critical_weights`): finishing a
-copy-like request early does not end a batch whose other requests have far to go. A request held
-at k = 0 for `probe_every` steps gets one draft, so text that turns repetitive earns drafts again
-(only where a draft sure to be accepted would pay: never at a batch where no draft can). Each step
-costs O(batch * max_k * log) here, whatever the output lengths.
+rate is the whole objective). Every request's tokens count alike: under sustained load a request
+that finishes sooner hands its slot to the next one, and the engine cannot tell a drain from a
+steady state (weighing gains by how close a request is to ending the batch, tried while the
+benchmark ran closed waves, starved copies in a closed loop). A request with no draft verified
+for `probe_every` steps gets one, so text that turns repetitive earns drafts again (only where a
+draft sure to be accepted would pay: never at a batch where no draft can). Each step costs
+O(batch * max_k * log) here, whatever the output lengths.
 
 A proposer that scores its drafts (`Proposal.confidence`: the chance drafts 0..j are all
 accepted, e.g. suffix drafting) knows, per step, which drafts are likely; a per-position average
@@ -29,7 +31,9 @@ For such proposers the controller sends a floor instead (`min_gains`): the draft
 drafts whose confidence is at least it. The floor is the break-even gain, the expected tokens a
 verify row must bring to pay for itself at the plan's rate (rate * seconds per row), divided by
 the request's calibration (accepted drafts / the confidence that was verified: its own, blended
-with the pool's, so a proposer that overrates a request is trusted less there).
+with the pool's, so a proposer that overrates a request is trusted less there). A probe step
+takes the proposer's scores as they are: a calibration low enough to keep every draft out would
+otherwise never see another verified draft to recover from.
 
 Lossless by construction: k only decides how many drafts are checked, never which token the
 target keeps (greedy output is identical; rejection sampling preserves the distribution for any k
@@ -63,7 +67,7 @@ class SpecSettings:
 class Acceptance:
     """Observed conditional acceptance per draft position: the plain mean of the first 1/alpha
     observations, an EMA (newest weight alpha) after that, so no start value has to be
-    unlearned; `seen` counts the observations. `idle`: steps in a row at k = 0."""
+    unlearned; `seen` counts the observations. `idle`: steps in a row without a verified draft."""
 
     mean: list[float]
     seen: list[int]
@@ -104,19 +108,6 @@ class Acceptance:
         return out
 
 
-def critical_weights(gains: list[list[float]], remaining: list[int]) -> list[float]:
-    """What a token gained on each request is worth to the batch when no request waits for a
-    slot: the batch runs until its longest request ends, so a gain shortens it only on the
-    requests the others wait for. A request's weight is its expected steps left (remaining
-    tokens over 1 + its expected gain per step) over the largest; a request that drafts well
-    and would finish long before the others gains the batch little by finishing sooner still."""
-    steps = [r / (1.0 + sum(g)) for g, r in zip(gains, remaining)]
-    longest = max(steps, default=0.0)
-    if longest <= 0:
-        return [1.0] * len(steps)
-    return [min(1.0, x / longest) for x in steps]
-
-
 def gains(p: list[float], k: int) -> list[float]:
     """Expected extra tokens of the 1st..k-th draft: S_1..S_k."""
     out, s = [], 1.0
@@ -146,8 +137,24 @@ class CostModel:
         self._xx *= self.decay
         self._xy *= self.decay
         self._add(rows, longest, seconds, 1.0)
-        coef = np.linalg.lstsq(self._xx, self._xy, rcond=None)[0]
-        self._coef = np.maximum(coef, [1e-6, 0.0, 0.0])  # costs never negative
+        self._coef = self._fit()
+
+    def _fit(self) -> np.ndarray:
+        """Least squares with costs never negative: a slope the fit wants below 0 is left out
+        and the rest refitted (clipping it instead would keep the other slope's share of it:
+        at batch 1 rows and the longest draft move together, and a clipped split overprices
+        every draft)."""
+        active = [0, 1, 2]
+        while True:
+            coef = np.zeros(3)
+            sub = np.ix_(active, active)
+            coef[active] = np.linalg.lstsq(self._xx[sub], self._xy[active], rcond=None)[0]
+            negative = [i for i in active[1:] if coef[i] < 0]
+            if not negative:
+                break
+            active.remove(min(negative, key=lambda i: coef[i]))
+        coef[0] = max(coef[0], 1e-6)
+        return coef
 
     def _add(self, rows: int, longest: int, seconds: float, weight: float) -> None:
         x = np.array([1.0, float(rows), float(longest)])
@@ -169,53 +176,68 @@ class CostModel:
         return c0 + c1 * batch, c1, c2
 
 
+class StepCosts:
+    """A CostModel per batch class (1, 2-3, 4-7, 8-15, ...): what a verify row costs depends on
+    the batch (on CPU the row count picks the matmul kernel: one more row at batch 1 costs more
+    than at batch 8), so a cost learned at one batch size never prices another's rows. A class
+    knows nothing until a step of its own was measured."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self._models: dict[int, CostModel] = {}
+
+    def observe(self, batch: int, rows: int, longest: int, seconds: float) -> None:
+        key = batch.bit_length()
+        if key not in self._models:
+            self._models[key] = CostModel(self.decay)
+        self._models[key].observe(rows, longest, seconds)
+
+    def known(self, batch: int) -> bool:
+        m = self._models.get(batch.bit_length())
+        return m is not None and m.known
+
+    def coefficients(self, batch: int) -> tuple[float, float, float]:
+        return self._models[batch.bit_length()].coefficients(batch)
+
+
 class SpecController:
     """Chooses per-request k each step and learns from each step's outcome."""
 
     def __init__(self, settings: SpecSettings) -> None:
         self.settings = settings
-        self.cost = CostModel(settings.cost_decay)
+        self.cost = StepCosts(settings.cost_decay)
         self.pool = Acceptance.empty(settings.max_k)  # every request's outcomes, recent first
         self._acc: dict[str, Acceptance] = {}
         self.floor = math.inf  # break-even gain of a verify row (tokens); > 1: no draft pays
-        self._weights: dict[str, float] = {}  # this step's critical weight per request
+        self._probing: set[str] = set()  # this step's probes
 
-    def choose(self, rids: list[str], caps: list[int], pinned: list[bool] | None = None,
-               remaining: list[int] | None = None, queued: bool = True) -> list[int]:
+    def choose(self, rids: list[str], caps: list[int],
+               pinned: list[bool] | None = None) -> list[int]:
         """k per request, each at most its cap (room left under the length limits). A pinned
         request always gets its cap: a seeded sampled request's random stream is keyed by the
         output position a step starts at, so a k that follows measured timings would make its
-        output irreproducible (the distribution would still be right).
-
-        `remaining` (tokens each request may still produce) and `queued` (requests wait for a
-        slot) weigh each request's gains by how much finishing it sooner is worth (`weights`)."""
+        output irreproducible (the distribution would still be right)."""
         s = self.settings
         caps = [max(0, min(s.max_k, c)) for c in caps]
         if s.mode == "fixed" or not rids:
             return caps
         accs = [self._state(r) for r in rids]
-        weights = [1.0] * len(rids)
-        if not self.cost.known:  # nothing measured yet: one plain step sets the scale
+        self._probing.clear()
+        if not self.cost.known(len(rids)):  # nothing measured at this batch: a plain step
             ks = [0] * len(rids)
             self.floor = math.inf
         else:
             pooled = self.pooled()
-            gs = [gains(a.estimate(pooled, s.prior_weight), c) for a, c in zip(accs, caps)]
-            if remaining is not None and not queued:
-                weights = critical_weights(gs, remaining)
-            ks = self._best([[g * w for g in gl] for gl, w in zip(gs, weights)])
-        self._weights = dict(zip(rids, weights))
+            ks = self._best([gains(a.estimate(pooled, s.prior_weight), c)
+                             for a, c in zip(accs, caps)])
         for i, (a, cap) in enumerate(zip(accs, caps)):
             if pinned is not None and pinned[i]:
                 ks[i] = cap
-                continue
-            if ks[i] == 0 and cap > 0:
-                a.idle += 1
-                # a probe only where a draft sure to be accepted would pay for its row
-                if a.idle >= s.probe_every and weights[i] >= self.floor:
-                    ks[i] = 1
-            if ks[i] > 0:
-                a.idle = 0
+            elif cap > 0 and a.idle >= s.probe_every and self.floor <= 1.0:
+                # a probe only where a draft sure to be accepted would pay for its row (a scored
+                # request may have had k > 0 and still no draft past its floor)
+                ks[i] = max(ks[i], 1)
+                self._probing.add(rids[i])
         return ks
 
     def min_gains(self, rids: list[str], pinned: list[bool] | None = None) -> list[float]:
@@ -231,8 +253,11 @@ class SpecController:
             if pinned is not None and pinned[i]:
                 out.append(0.0)
                 continue
+            if rid in self._probing:  # the proposer's own scores, once: a calibration that
+                out.append(self.floor)  # fell too low to verify anything can recover
+                continue
             calib = self._state(rid).calibration(pool, s.prior_weight)
-            out.append(self.floor / max(calib * self._weights.get(rid, 1.0), 1e-3))
+            out.append(self.floor / max(calib, 1e-3))
         return out
 
     def pooled(self) -> list[float]:
@@ -261,7 +286,9 @@ class SpecController:
         cand = np.array(sorted(flat))
         gain, pos, req = -cand[:, 0], cand[:, 1].astype(int), cand[:, 2].astype(int)
         best, best_rate = [0] * batch, batch / base
-        self.floor = best_rate * per_row  # updated below with the chosen plan's rate
+        # a scored draft's row: its own cost and, on average, its share of the longest draft's
+        row_cost = per_row + per_draft / batch
+        self.floor = best_rate * row_cost  # updated below with the chosen plan's rate
         for longest in range(1, int(pos.max()) + 2):
             taken = pos < longest
             tokens = batch + np.cumsum(gain[taken])
@@ -271,7 +298,7 @@ class SpecController:
             if rate[top] > best_rate:  # gains per request fall with position: prefixes
                 best = np.bincount(req[taken][:top + 1], minlength=batch).tolist()
                 best_rate = float(rate[top])
-        self.floor = best_rate * per_row
+        self.floor = best_rate * row_cost
         return best
 
     def observe(self, rids: list[str], drafted: list[int], num_tokens: list[int],
@@ -282,9 +309,11 @@ class SpecController:
         meanwhile still teaches the pool but gets no state back (it would never be forgotten)."""
         s = self.settings
         for i, (rid, d, n) in enumerate(zip(rids, drafted, num_tokens)):
+            own = self._acc.get(rid)
+            if own is not None:  # steps without a verified draft, whoever decided it
+                own.idle = 0 if d > 0 else own.idle + 1
             if d > 0:
                 self.pool.update(d, n - 1, s.pool_alpha)
-                own = self._acc.get(rid)
                 if own is not None:
                     own.update(d, n - 1, s.ema_alpha)
                 if expected is not None and expected[i] is not None:
@@ -293,7 +322,8 @@ class SpecController:
                     if own is not None:
                         own.calibrate(expected[i], accepted, 1.0 - s.ema_alpha)
         if seconds is not None and rids:
-            self.cost.observe(len(rids) + sum(drafted), max(drafted, default=0), seconds)
+            self.cost.observe(len(rids), len(rids) + sum(drafted), max(drafted, default=0),
+                              seconds)
 
     def forget(self, rid: str) -> None:
         self._acc.pop(rid, None)
