@@ -434,6 +434,16 @@ def mode_config(config: Any, mode: str, k: int) -> Any:
                           speculation="fixed")
 
 
+def warmup_requests(tokenizer: Any) -> list[Request]:
+    """Two requests every mode serves untimed before the first cell: one that copies, one that
+    does not. Made from text in no workload, so no index holds a timed request's answer."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = " ".join(f.read().split())[:800]
+    asks = (f"Repeat the following text exactly, word for word:\n\n{text}",
+            "Write a short story about a lighthouse keeper who finds a message in a bottle.")
+    return [Request(f"warmup-{i}", encode_prompt(tokenizer, a)) for i, a in enumerate(asks)]
+
+
 def reference_outputs(runner: Any, prompts: dict[str, list[int]], max_tokens: int,
                       eos: list[int]) -> dict[str, list[int]]:
     """Target-only greedy output of each prompt, one request at a time, one token per forward,
@@ -721,9 +731,9 @@ def main(argv: list[str] | None = None) -> int:
                         reqs[(i + rep * n) % len(reqs)].ids) for i in range(n)]
 
     warm = [Request("warm", workloads[args.workloads[0]][0].ids)]
-    warm_params = dataclasses.replace(params, max_new_tokens=4)
-    for mode in args.modes:
-        bench.run_wave(mode, warm, warm_params)
+    warm_params = dataclasses.replace(params, max_new_tokens=32)
+    for mode in args.modes:  # first forwards, the step-cost model, drafted steps: all untimed
+        bench.run_wave(mode, warmup_requests(tok), warm_params)
     model_path = None if is_tiny(config.model) else resolve_source(config.model)
     hf_model = None
     if not args.no_hf and model_path is not None and 1 in args.batches:
