@@ -9,6 +9,7 @@ import torch
 
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import CacheFullError
+from pipeline.models.llama import CpuLinear, _onednn_linear_available
 from pipeline.models.loader import load_model
 from pipeline.models.runner import ModelRunner
 from pipeline.models.tiny import make_draft_target_pair, tiny_config, tiny_model
@@ -337,3 +338,15 @@ def test_draft_target_pair_agreement_is_controlled():
     mid, high = agreement(0.1), agreement(1.0)
     assert 0.5 < mid < 1.0
     assert high < mid
+
+
+@pytest.mark.skipif(not _onednn_linear_available(), reason="oneDNN linear is CPU-build only")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_cpu_linear_equals_a_plain_linear_at_every_row_count(rows):
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 96)
+    fast = CpuLinear(plain)
+    x = torch.randn(rows, 64)
+    out = fast(x)  # 2 rows run padded to 3: the padding row must not come back
+    assert out.shape == (rows, 96)
+    torch.testing.assert_close(out, plain(x), rtol=1e-5, atol=1e-5)
