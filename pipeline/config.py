@@ -37,7 +37,7 @@ class EngineConfig:
     speculation: str = "adaptive"
     spec_ema_alpha: float = 0.25  # weight of the newest step in the per-position acceptance EMA
     spec_prior: float = 0.5  # pooled acceptance assumed before any draft has been verified
-    spec_probe_every: int = 8  # steps a request spends at k = 0 before a one-draft probe
+    spec_probe_every: int = 8  # steps without a verified draft before a probe
     spec_cost_decay: float = 0.97  # per-step decay of the step-cost model's past observations
     spec_prior_weight: float = 2.0  # observations the pooled acceptance counts as per request
     spec_pool_alpha: float = 0.05  # weight of the newest request-step in the pooled EMA
