@@ -63,18 +63,26 @@ class Cluster:
         tag = tag or name
         self.tags.append(tag)
         lo = random.randrange(31000, 39000, 100)
+        while self.gcs_port in range(lo, lo + 100):
+            lo = random.randrange(31000, 39000, 100)
+
+        def port() -> int:  # a free port outside this node's worker range (Ray refuses overlap)
+            while (p := free_port()) in range(lo, lo + 100):
+                pass
+            return p
+
         cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1",
                "--num-cpus=1", "--num-gpus=0",
                f"--resources={json.dumps(NODES[name])}", f"--temp-dir={self.tmp}/{tag}",
-               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-               f"--dashboard-agent-listen-port={free_port()}",
-               f"--dashboard-agent-grpc-port={free_port()}",
-               f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+               f"--node-manager-port={port()}", f"--object-manager-port={port()}",
+               f"--dashboard-agent-listen-port={port()}",
+               f"--dashboard-agent-grpc-port={port()}",
+               f"--metrics-export-port={port()}", f"--runtime-env-agent-port={port()}",
                f"--min-worker-port={lo}", f"--max-worker-port={lo + 99}",
                "--object-store-memory=100000000", "--disable-usage-stats"]
         if name == "head":
             cmd += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
-                    f"--ray-client-server-port={free_port()}"]
+                    f"--ray-client-server-port={port()}"]
         else:
             cmd += [f"--address={self.address}"]
         env = dict(os.environ, RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0",
