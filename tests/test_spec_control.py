@@ -328,7 +328,28 @@ def test_at_batch_1_the_margin_does_not_apply():
         trained(c, base=0.04, per_row=0.01)
         c.choose(["a"], [1])
         for t in range(40):
-            c.observe(["a"], [1], [1 + t % 2], None)  # accepted every other step
+            c.observe(["a"], [1], [1 + (t % 4 < 2)], None)  # half, whatever the last step
         assert 0.3 < c.estimate("a")[0] < 0.7
         ks.append(c.choose(["a"], [1]))
     assert ks == [[1], [1]]
+
+
+def test_inside_a_run_and_at_its_edge_are_estimated_apart():
+    # Copy-like text: runs of fully accepted drafts between stretches where the first draft is
+    # rejected. One average would draft alike everywhere; the two states draft long inside a
+    # run and little at its edge.
+    c = controller(max_k=4)
+    trained(c, base=0.05, per_row=0.03)
+    c.choose(["a"], [4])  # its state starts at its first step
+    for _ in range(6):
+        for outcome in [1] * 4 + [5] * 6:  # 4 steps with the first draft rejected, a run of 6
+            c.observe(["a"], [4], [outcome], None)
+    inside = c.estimate("a")[0]
+    assert inside > 0.75
+    assert c.choose(["a"], [4]) == [4]
+    c.observe(["a"], [4], [1], None)  # the run ends: now at its edge
+    edge = c.estimate("a")[0]
+    assert edge < 0.5
+    assert c.choose(["a"], [4]) == [0]
+    c.forget("a")
+    assert c.estimate("a") == c.pooled()
