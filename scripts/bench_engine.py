@@ -64,7 +64,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD_DIR = os.path.join(ROOT, "scripts", "workloads")
 MODES = ("none", "adaptive", "k2", "k4", "k8", "model", "suffix", "suffix-fixed")
 FIXED_K = {"k2": 2, "k4": 4, "k8": 8}
-SUFFIX_K = 16  # suffix drafts are cut by their own score; this is only the ceiling
+SUFFIX_K = 32  # suffix drafts are cut by their own score; this is only the ceiling
 
 
 # --- workloads ------------------------------------------------------------------------------
