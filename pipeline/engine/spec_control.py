@@ -236,7 +236,8 @@ class SpecController:
             ks = [0] * len(rids)
             self.floor = math.inf
         else:
-            ks = self._best([gains(self.estimate(r), c) for r, c in zip(rids, caps)])
+            pooled = (self.pooled(), self.pooled(run=True))  # once a step, not per request
+            ks = self._best([gains(self._estimate(r, *pooled), c) for r, c in zip(rids, caps)])
         for i, (a, cap) in enumerate(zip(accs, caps)):
             if pinned is not None and pinned[i]:
                 ks[i] = cap
@@ -278,13 +279,16 @@ class SpecController:
         its current state: acceptance is bimodal (inside a copied run nearly every draft is
         kept, at its edges few are), so one average would draft too little inside runs and
         too much outside them."""
+        return self._estimate(rid, self.pooled(), self.pooled(run=True))
+
+    def _estimate(self, rid: str, cold: list[float], hot: list[float]) -> list[float]:
         a = self._acc.get(rid)
         if a is None:
-            return self.pooled()
+            return cold
         own = self._hot.get(rid) if a.run else a
-        if own is None:
-            own = self._hot[rid] = Acceptance.empty(self.settings.max_k)
-        return own.estimate(self.pooled(a.run), self.settings.prior_weight)
+        if own is None:  # in a run for the first time: nothing of its own seen there yet
+            return hot
+        return own.estimate(hot if a.run else cold, self.settings.prior_weight)
 
     def _best(self, gains: list[list[float]]) -> list[int]:
         batch = len(gains)
@@ -331,7 +335,9 @@ class SpecController:
                 run = own is not None and own.run
                 (self.hot_pool if run else self.pool).update(d, n - 1, s.pool_alpha)
                 if own is not None:
-                    table = self._hot.setdefault(rid, Acceptance.empty(s.max_k)) if run else own
+                    table = self._hot.get(rid) if run else own
+                    if table is None:  # its first step observed in a run
+                        table = self._hot[rid] = Acceptance.empty(s.max_k)
                     table.update(d, n - 1, s.ema_alpha)
                     own.run = n - 1 >= d
                 if expected is not None and expected[i] is not None:
