@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,6 +25,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ray_node_ports(count: int, taken: tuple[int, ...] = ()) -> tuple[range, list[int]]:
+    """A range of 100 worker ports and `count` distinct free ports outside it for one `ray start`.
+
+    Ray refuses to start a node whose component ports overlap its worker range or each other,
+    and an ephemeral port can fall anywhere: each pick is checked against everything taken.
+    """
+    workers = range(0)
+    while not workers or any(p in workers for p in taken):
+        lo = random.randrange(31000, 39000, 100)
+        workers = range(lo, lo + 100)
+    ports: list[int] = []
+    while len(ports) < count:
+        p = free_port()
+        if p not in workers and p not in ports and p not in taken:
+            ports.append(p)
+    return workers, ports
 
 
 @contextlib.contextmanager

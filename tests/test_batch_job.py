@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serve_helpers import ROOT, free_port
+from serve_helpers import ROOT, ray_node_ports
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -36,16 +35,16 @@ def ray_env() -> dict[str, str]:
 @contextlib.contextmanager
 def ray_head(tmp: str) -> Iterator[int]:
     """`ray start --head` on 127.0.0.1 with non-default ports; yields the dashboard port."""
-    dash = free_port()
-    worker_lo = random.randrange(31000, 39000, 100)
+    workers, ports = ray_node_ports(9)
+    dash, gcs, client, node_manager, object_manager, agent, agent_grpc, metrics, runtime_env = ports
     cmd = [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           f"--port={free_port()}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
-           f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-           f"--dashboard-agent-listen-port={free_port()}",
-           f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
-           f"--runtime-env-agent-port={free_port()}", f"--min-worker-port={worker_lo}",
-           f"--max-worker-port={worker_lo + 99}", "--num-cpus=4", f"--temp-dir={tmp}",
+           f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
+           f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
+           f"--dashboard-agent-listen-port={agent}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+           f"--runtime-env-agent-port={runtime_env}", f"--min-worker-port={workers.start}",
+           f"--max-worker-port={workers.stop - 1}", "--num-cpus=4", f"--temp-dir={tmp}",
            "--disable-usage-stats"]
     log_path = os.path.join(tmp, "ray_start.log")
 

@@ -19,7 +19,6 @@ import contextlib
 import glob
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -29,7 +28,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from serve_helpers import ROOT, free_port
+from serve_helpers import ROOT, free_port, ray_node_ports
 
 from pipeline.tracing.trace_file import read_spans
 
@@ -62,15 +61,8 @@ class Cluster:
     def start(self, name: str, tag: str | None = None) -> None:
         tag = tag or name
         self.tags.append(tag)
-        lo = random.randrange(31000, 39000, 100)
-        while self.gcs_port in range(lo, lo + 100):
-            lo = random.randrange(31000, 39000, 100)
-
-        def port() -> int:  # a free port outside this node's worker range (Ray refuses overlap)
-            while (p := free_port()) in range(lo, lo + 100):
-                pass
-            return p
-
+        workers, ports = ray_node_ports(7, taken=(self.gcs_port,))
+        port = iter(ports).__next__
         cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1",
                "--num-cpus=1", "--num-gpus=0",
                f"--resources={json.dumps(NODES[name])}", f"--temp-dir={self.tmp}/{tag}",
@@ -78,7 +70,7 @@ class Cluster:
                f"--dashboard-agent-listen-port={port()}",
                f"--dashboard-agent-grpc-port={port()}",
                f"--metrics-export-port={port()}", f"--runtime-env-agent-port={port()}",
-               f"--min-worker-port={lo}", f"--max-worker-port={lo + 99}",
+               f"--min-worker-port={workers.start}", f"--max-worker-port={workers.stop - 1}",
                "--object-store-memory=100000000", "--disable-usage-stats"]
         if name == "head":
             cmd += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
