@@ -38,6 +38,7 @@ class EngineConfig:
     spec_ema_alpha: float = 0.25  # weight of the newest step in the per-position acceptance EMA
     spec_prior: float = 0.5  # pooled acceptance assumed before any draft has been verified
     spec_probe_every: int = 8  # steps without a verified draft before a probe
+    spec_probe_backoff: int = 8  # a rejected probe doubles the wait, up to probe_every x this
     spec_cost_decay: float = 0.97  # per-step decay of the step-cost model's past observations
     spec_prior_weight: float = 2.0  # observations the pooled acceptance counts as per request
     spec_pool_alpha: float = 0.05  # weight of the newest request-step in the pooled EMA
@@ -129,9 +130,12 @@ class EngineConfig:
 
     @property
     def spec_settings(self) -> SpecSettings:
-        return SpecSettings(self.speculation, self.num_speculative_tokens, self.spec_ema_alpha,
-                            self.spec_prior, self.spec_probe_every, self.spec_cost_decay,
-                            self.spec_prior_weight, self.spec_pool_alpha, self.spec_margin)
+        return SpecSettings(
+            mode=self.speculation, max_k=self.num_speculative_tokens,
+            ema_alpha=self.spec_ema_alpha, prior=self.spec_prior,
+            probe_every=self.spec_probe_every, probe_backoff=self.spec_probe_backoff,
+            cost_decay=self.spec_cost_decay, prior_weight=self.spec_prior_weight,
+            pool_alpha=self.spec_pool_alpha, margin=self.spec_margin)
 
     @property
     def placement_spec(self) -> Placement:

@@ -131,7 +131,34 @@ def test_a_request_left_at_zero_is_probed_with_one_draft():
     for _ in range(8):  # each step's drafts are verified and rejected
         ks.append(c.choose(["a"], [4])[0])
         c.observe(["a"], ks[-1:], [1], None)
-    assert ks == [0, 0, 0, 1, 0, 0, 0, 1]  # after 3 steps without a verified draft
+    assert ks[:4] == [0, 0, 0, 1]  # after 3 steps without a verified draft
+
+
+def test_a_rejected_probe_doubles_the_wait_and_an_accepted_draft_resets_it():
+    c = controller(probe_every=2, probe_backoff=4)
+    trained(c, base=0.05, per_row=0.01)
+    c.choose(["a"], [4])
+    for _ in range(20):
+        c.observe(["a"], [4], [1], None)
+
+    def steps(n: int, accept: int) -> list[int]:  # the first `accept` drafted steps keep 1
+        ks = []
+        for _ in range(n):
+            ks.append(c.choose(["a"], [4])[0])
+            kept = ks[-1] > 0 and accept > 0
+            accept -= kept
+            c.observe(["a"], ks[-1:], [1 + kept], None)
+        return ks
+
+    def gaps(ks: list[int]) -> list[int]:  # steps at 0 before each drafted step
+        return [len(run) for run in "".join("1" if k else "0" for k in ks).split("1")[:-1]]
+
+    # waits 2, 4, 8, then capped at 2 * 4
+    assert gaps(steps(30, accept=0)) == [2, 4, 8, 8]
+    # a probe that keeps its draft (after the capped wait's rest) brings the wait back to
+    # probe_every: once the drafts it earned are rejected, the probes come after 2, 4, 8, 8
+    after = gaps(steps(40, accept=1))
+    assert after[0] == 4 and after[-4:] == [2, 4, 8, 8]
 
 
 def test_caps_are_respected_and_forget_resets_a_request():
@@ -189,7 +216,7 @@ def test_a_request_finished_before_its_step_is_observed_leaves_no_state_behind()
 
 
 @pytest.mark.parametrize("field,value", [("speculation", "always"), ("spec_ema_alpha", 0),
-                                          ("spec_prior", 1.5), ("spec_probe_every", 0),
+                                          ("spec_prior", 1.5), ("spec_probe_every", 0), ("spec_probe_backoff", 0),
                                           ("spec_cost_decay", "x"), ("spec_margin", 0.9),
                                           ("spec_margin", True)])
 def test_bad_speculation_settings_are_refused_naming_the_field(field, value):
