@@ -40,6 +40,23 @@ def test_bench_runs_every_mode_interleaved_and_checks_outputs_and_statistics(tmp
     cell = report["targets"]["copy/b2"]
     assert "adaptive_vs_best_fixed (>= 0.97)" in cell and cell["adaptive_vs_best_fixed_paired"] > 0
     assert cell["adaptive_vs_none_paired"] > 0
+    for r in report["runs"]:  # batch 1, one request a repetition: no busy window
+        assert (r["busy_tokens_per_s"] is None) == (r["batch"] == 1)
+        assert len(r["rep_busy_tokens_per_s"]) == (2 if r["batch"] == 2 else 0)
+    assert cell["busy: adaptive_vs_none_paired"] > 0
+
+
+def test_the_busy_window_ends_at_the_last_submission():
+    bench = _bench_module()
+    trace = bench.Trace
+    # 2 in flight: a and b at t=0; c when a ends (t=3), d when b ends (t=5)
+    traces = [trace("a", 0.0, [1.0, 2.0, 3.0], [1, 2, 1], [0] * 4),
+              trace("b", 0.0, [1.0, 5.0], [1, 3], [0] * 4),
+              trace("c", 3.0, [4.0, 6.0], [1, 1], [0] * 2),
+              trace("d", 5.0, [5.5, 9.0], [2, 2], [0] * 4)]
+    # up to t=5: a's 4, b's 4, c's first 1 (t=4)
+    assert bench.busy_window(traces) == (9, 5.0)
+    assert bench.busy_window(traces[:2]) == (0, 0.0)  # one wave: submitted at once
 
 
 def test_a_greedy_output_that_differs_from_the_reference_fails_the_run(tmp_path, monkeypatch):
