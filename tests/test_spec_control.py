@@ -380,3 +380,28 @@ def test_inside_a_run_and_at_its_edge_are_estimated_apart():
     assert c.choose(["a"], [4]) == [0]
     c.forget("a")
     assert c.estimate("a") == c.pooled()
+
+
+def test_a_probe_kept_whole_does_not_start_a_run():
+    # The in-run pool learned on copied text says "draft long"; a chat request whose lone probe
+    # happens to match must not draft that long on the strength of one token.
+    c = controller(max_k=4, probe_every=2)
+    trained(c, base=0.05, per_row=0.01)
+    c.choose(["copy"], [4])
+    for _ in range(20):  # copied text: every draft kept, then a run of them
+        c.observe(["copy"], [4], [5], None)
+    assert c.pooled(run=True)[0] > 0.9
+    c.choose(["chat"], [4])
+    for _ in range(20):  # chat: drafts rejected until the request sits at k = 0
+        c.observe(["chat"], [1], [1], None)
+    ks = [c.choose(["chat"], [4])[0] for _ in range(1)]
+    while ks[-1] == 0:
+        c.observe(["chat"], [0], [1], None)
+        ks.append(c.choose(["chat"], [4])[0])
+    assert ks[-1] == 1  # the probe
+    c.observe(["chat"], [1], [2], None)  # kept
+    # still estimated from its own (cold) history, not the copies' in-run pool
+    assert c.estimate("chat")[0] < 0.5
+    assert c.choose(["chat"], [4])[0] < 4
+    c.observe(["chat"], [1], [2], None)  # a planned draft kept whole: now a run
+    assert c.estimate("chat")[0] > 0.5

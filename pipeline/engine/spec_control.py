@@ -7,7 +7,8 @@ observations take over as they accumulate (a Beta-style blend: the pool counts a
 `prior_weight` observations). In the pool, a position nobody has drafted yet is taken to be no
 worse than the one before it, so after copied text a new request drafts long from its first step.
 Each request keeps two such estimates, by the outcome of its last verified draft: accepted whole
-(inside a run: copied text goes on) or not (at a run's edge, or never in one). Acceptance is
+(inside a run: copied text goes on) or not (at a run's edge, or never in one); a probe (below)
+kept whole counts for the first estimate but does not start a run. Acceptance is
 bimodal on copy-like text, and one average drafts too little inside runs and too much between
 them (copy at batch 8: 2.2 tokens a verify against 2.7 for fixed k = 4, same rows verified).
 
@@ -345,7 +346,9 @@ class SpecController:
                     if table is None:  # its first step observed in a run
                         table = self._hot[rid] = Acceptance.empty(s.max_k)
                     table.update(d, n - 1, s.ema_alpha)
-                    own.run = n - 1 >= d
+                    # a lone probe kept is a match, not yet a run: entered on it, a chat request
+                    # drafted the pooled in-run length (8, learned on copies) and lost all of it
+                    own.run = n - 1 >= d and rid not in self._probing
                     if n > 1:
                         own.probe_wait = s.probe_every
                     elif rid in self._probing:
