@@ -659,10 +659,9 @@ def targets(results: list[RunResult]) -> dict[str, Any]:
             cell["adaptive_vs_best_fixed_paired"] = min(paired(ad, r) for r in fixed.values())
             cell["beats_every_fixed"] = all(ad.tokens_per_s > r.tokens_per_s
                                             for r in fixed.values())
-            if ad.busy_tokens_per_s and all(r.busy_tokens_per_s for r in fixed.values()):
-                busy_best = max(fixed.values(), key=lambda r: r.busy_tokens_per_s or 0.0)
-                cell["busy: adaptive_vs_best_fixed"] = \
-                    ad.busy_tokens_per_s / (busy_best.busy_tokens_per_s or 1.0)
+            busy_fixed = [r.busy_tokens_per_s for r in fixed.values()]
+            if ad.busy_tokens_per_s and all(busy_fixed):
+                cell["busy: adaptive_vs_best_fixed"] = ad.busy_tokens_per_s / max(busy_fixed)
                 cell["busy: adaptive_vs_best_fixed_paired"] = min(
                     paired(ad, r, busy=True) for r in fixed.values())
         for m in ("suffix", "suffix-fixed"):

@@ -216,8 +216,8 @@ def test_a_request_finished_before_its_step_is_observed_leaves_no_state_behind()
 
 
 @pytest.mark.parametrize("field,value", [("speculation", "always"), ("spec_ema_alpha", 0),
-                                          ("spec_prior", 1.5), ("spec_probe_every", 0), ("spec_probe_backoff", 0),
-                                          ("spec_cost_decay", "x"), ("spec_margin", 0.9),
+                                          ("spec_prior", 1.5), ("spec_probe_every", 0),
+                                          ("spec_probe_backoff", 0), ("spec_cost_decay", "x"), ("spec_margin", 0.9),
                                           ("spec_margin", True)])
 def test_bad_speculation_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -394,7 +394,7 @@ def test_a_probe_kept_whole_does_not_start_a_run():
     c.choose(["chat"], [4])
     for _ in range(20):  # chat: drafts rejected until the request sits at k = 0
         c.observe(["chat"], [1], [1], None)
-    ks = [c.choose(["chat"], [4])[0] for _ in range(1)]
+    ks = [c.choose(["chat"], [4])[0]]
     while ks[-1] == 0:
         c.observe(["chat"], [0], [1], None)
         ks.append(c.choose(["chat"], [4])[0])

@@ -346,12 +346,13 @@ class SpecController:
                     if table is None:  # its first step observed in a run
                         table = self._hot[rid] = Acceptance.empty(s.max_k)
                     table.update(d, n - 1, s.ema_alpha)
+                    probed = rid in self._probing
                     # a lone probe kept is a match, not yet a run: entered on it, a chat request
                     # drafted the pooled in-run length (8, learned on copies) and lost all of it
-                    own.run = n - 1 >= d and rid not in self._probing
+                    own.run = n - 1 >= d and not probed
                     if n > 1:
                         own.probe_wait = s.probe_every
-                    elif rid in self._probing:
+                    elif probed:
                         own.probe_wait = min(2 * own.probe_wait, s.probe_every * s.probe_backoff)
                 if expected is not None and expected[i] is not None:
                     accepted = min(n - 1, d)
