@@ -180,3 +180,54 @@ def test_flash_import_error_is_reported_not_raised(monkeypatch):
         assert attention.flash_import_error().startswith("ModuleNotFoundError: ")
     finally:
         attention.flash_import_error.cache_clear()
+
+
+def _naive_attention(q, k_cache, v_cache, slots, starts, q_lens, scale):
+    """Per new token, softmax over its slot's keys up to its own position (GQA: query head j
+    reads KV head j // group)."""
+    h, kh = q.shape[1], k_cache.shape[2]
+    out, n = [], 0
+    for slot, start, length in zip(slots, starts, q_lens):
+        for t in range(length):
+            keys = k_cache[slot, : start + t + 1]    # [L, KH, D]
+            vals = v_cache[slot, : start + t + 1]
+            heads = []
+            for j in range(h):
+                w = torch.softmax(keys[:, j // (h // kh)] @ q[n, j] * scale, dim=0)
+                heads.append(w @ vals[:, j // (h // kh)])
+            out.append(torch.cat(heads))
+            n += 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 2], [1, 5, 1], [18, 1, 2]])
+def test_sdpa_verify_runs_fold_gqa_and_match_per_token_attention(q_lens, monkeypatch):
+    """Decode and verify windows put the GQA group and the run's tokens on one query axis (one
+    SDPA call per KV head, KV never repeated); a run longer than FOLD_MAX_T keeps the
+    [B, H, T, D] layout. Both match attention computed token by token."""
+    gen = torch.Generator().manual_seed(5)
+    h, kh, d, capacity, scale = 6, 2, 8, 32, 0.3
+    slots, starts = [2, 0, 1], [4, 9, 0]
+    k_cache = torch.randn(3, capacity, kh, d, generator=gen)
+    v_cache = torch.randn(3, capacity, kh, d, generator=gen)
+    meta = build_metadata("sdpa", slots, starts, q_lens, capacity, "cpu")
+    n = sum(q_lens)
+    q = torch.randn(n, h, d, generator=gen)
+    k_new = torch.randn(n, kh, d, generator=gen)
+    v_new = torch.randn(n, kh, d, generator=gen)
+    write_kv(k_cache, v_cache, k_new, v_new, meta)
+    shapes, real = [], F.scaled_dot_product_attention
+
+    def spy(query, key, *args, **kwargs):
+        shapes.append((tuple(query.shape), tuple(key.shape)))
+        return real(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    got = attend(q, k_cache, v_cache, meta, scale)
+    want = _naive_attention(q, k_cache, v_cache, slots, starts, q_lens, scale)
+    assert torch.allclose(got, want, atol=1e-5)
+    t, lk = max(q_lens), max(s + n for s, n in zip(starts, q_lens))
+    if t <= attention.FOLD_MAX_T:
+        assert shapes == [((3, kh, t * h // kh, d), (3, kh, lk, d))]
+    else:
+        assert shapes == [((3, h, t, d), (3, kh, lk, d))]
