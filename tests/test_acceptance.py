@@ -8,11 +8,18 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from reference_decode import chi2_pvalue
 
 from pipeline.params import SamplingParams
 from pipeline.sampling import SamplingTensors, process_logits, sample_from_weights
-from pipeline.verify.acceptance import accept, greedy_accept, rejection_accept
+from pipeline.verify.acceptance import (
+    accept,
+    accept_greedy_packed,
+    greedy_accept,
+    rejection_accept,
+)
 
 # -- greedy ------------------------------------------------------------------------------------
 
@@ -77,6 +84,42 @@ def test_accept_greedy_rows_with_logprobs_and_top_logprobs():
     assert [[pair[0] for pair in tok] for tok in lists[0]] == [[3, 0], [1, 0], [4, 0]]
     assert lists[0][0][1][1] == pytest.approx(_logprob(3, 0, 5), rel=1e-4)
     assert [[pair[0] for pair in tok] for tok in lists[1]] == [[2], [2]]
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=6), st.integers(0, 2**31 - 1),
+       st.integers(0, 3))
+def test_packed_greedy_accept_equals_the_padded_one(num_drafts, seed, top_n):
+    """The verifier's packed path (argmax and logprobs over the verified rows only) gives what
+    `accept` gives on the same logits padded to [B, K+1, V]: tokens, counts, logprobs, top-N."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, width = 7, max(num_drafts)
+    runs = [torch.randn(k + 1, vocab, generator=gen) for k in num_drafts]
+    padded = torch.zeros(len(runs), width + 1, vocab)
+    drafts = torch.zeros(len(runs), width, dtype=torch.int64)
+    for i, (lg, k) in enumerate(zip(runs, num_drafts)):
+        padded[i, : k + 1] = lg
+        # drafts that mostly follow the argmax, so accepted prefixes of every length occur
+        follow = lg[:k].argmax(-1)
+        noise = torch.randint(0, vocab, (k,), generator=gen)
+        coin = torch.rand(k, generator=gen) < 0.8
+        drafts[i, :k] = torch.where(coin, follow, noise)
+    counts = torch.tensor(num_drafts)
+    sampling = SamplingTensors.from_params([SamplingParams()] * len(runs))
+    want = accept(drafts, counts, padded, sampling, [0] * len(runs), num_top_logprobs=top_n)
+    got = accept_greedy_packed(drafts, counts, torch.cat(runs), top_n)
+    assert got.token_lists() == want.token_lists()
+    assert torch.equal(got.num_tokens, want.num_tokens)
+    assert torch.allclose(got.logprobs, want.logprobs, equal_nan=True)
+    if top_n:
+        for i, n in enumerate(want.num_tokens.tolist()):
+            assert torch.equal(got.top_ids[i, :n], want.top_ids[i, :n])
+            assert torch.allclose(got.top_values[i, :n], want.top_values[i, :n])
+
+
+def test_packed_greedy_accept_rejects_logits_of_another_batch():
+    with pytest.raises(ValueError, match="sum\\(num_drafts \\+ 1\\) = 4"):
+        accept_greedy_packed(torch.zeros(2, 2, dtype=torch.int64), torch.tensor([2, 0]),
+                             torch.zeros(5, 3))
 
 
 def test_accept_greedy_ignores_draft_probs():

@@ -197,6 +197,37 @@ def accept(
     return result
 
 
+def accept_greedy_packed(
+    draft_token_ids: Tensor,  # [B, K] int64 drafts, padded past num_drafts[i]
+    num_drafts: Tensor,  # [B] int64 in [0, K]
+    logits: Tensor,  # [N, V] raw target logits, run i's k_i + 1 rows in order, N = sum(k_i + 1)
+    num_top_logprobs: int = 0,
+) -> AcceptanceResult:
+    """`accept` for a batch of greedy rows without grammars, on the logits as the forward packed
+    them: argmax and logprobs over the N verified rows only, not the [B, K+1, V] padding (one
+    request verifying 4 drafts in a batch of 8 pads 12 rows to 40). Same result as `accept`."""
+    num_pos = draft_token_ids.shape[1]
+    device = logits.device
+    num_drafts = num_drafts.long().to(device)
+    if int((num_drafts + 1).sum()) != logits.shape[0]:
+        raise ValueError(f"logits must hold sum(num_drafts + 1) = {int((num_drafts + 1).sum())} "
+                         f"rows, got {logits.shape[0]}")
+    starts = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
+    # [B, K+1] packed row of each position; past a run's end, its last row (masked below)
+    pos = torch.arange(num_pos + 1, device=device)[None, :]
+    rows = starts[:, None] + torch.minimum(pos, num_drafts[:, None])
+    logprobs = compute_logprobs(logits)
+    tokens, num_tokens = greedy_accept(draft_token_ids.long().to(device), num_drafts,
+                                       logits.argmax(dim=-1)[rows])
+    chosen = logprobs[rows, tokens.clamp_min(0)]
+    keep = pos < num_tokens[:, None]
+    result = AcceptanceResult(tokens, num_tokens, chosen.masked_fill(~keep, float("nan")))
+    if num_top_logprobs > 0:
+        ids, values = top_logprobs(logprobs, num_top_logprobs)
+        result.top_ids, result.top_values = ids[rows], values[rows]
+    return result
+
+
 def _mask_disallowed(target_logits: Tensor,  # [B, K+1, V]
                      allowed: Tensor,  # [B, K+1, V] bool
                      ) -> Tensor:

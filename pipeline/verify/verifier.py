@@ -21,7 +21,7 @@ from pipeline.models.runner import ModelRunner
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
 from pipeline.sampling import SamplingTensors
-from pipeline.verify.acceptance import AcceptanceResult, accept
+from pipeline.verify.acceptance import AcceptanceResult, accept, accept_greedy_packed
 
 
 class Verifier:
@@ -130,14 +130,18 @@ def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[Sa
     width = max(len(d) for d in drafts)
     batch, vocab = len(drafts), logits[0].shape[-1]
     device = logits[0].device  # acceptance runs where the logits are (GPU or CPU)
-    padded = torch.zeros((batch, width + 1, vocab), device=device)
     draft_ids = torch.zeros((batch, width), dtype=torch.int64)
-    for i, (lg, d) in enumerate(zip(logits, drafts)):
-        padded[i, : lg.shape[0]] = lg
+    for i, d in enumerate(drafts):
         draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
     draft_ids = draft_ids.to(device)
     num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)
     top_n = max((p.logprobs or 0 for p in params), default=0)
+    if allowed is None and all(p.greedy for p in params):
+        packed = logits[0] if len(logits) == 1 else torch.cat(logits)
+        return accept_greedy_packed(draft_ids, num_drafts, packed, top_n)
+    padded = torch.zeros((batch, width + 1, vocab), device=device)
+    for i, lg in enumerate(logits):
+        padded[i, : lg.shape[0]] = lg
     sampling = SamplingTensors.from_params(params, device)
     mask = None if allowed is None else torch.from_numpy(allowed).to(device)
     return accept(draft_ids, num_drafts, padded, sampling, positions, draft_probs=q,
