@@ -200,13 +200,21 @@ def _naive_attention(q, k_cache, v_cache, slots, starts, q_lens, scale):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 2], [1, 5, 1], [18, 1, 2]])
-def test_sdpa_verify_runs_fold_gqa_and_match_per_token_attention(q_lens, monkeypatch):
-    """Decode and verify windows put the GQA group and the run's tokens on one query axis (one
-    SDPA call per KV head, KV never repeated); a run longer than FOLD_MAX_T keeps the
-    [B, H, T, D] layout. Both match attention computed token by token."""
+@pytest.mark.parametrize(("q_lens", "queries"), [
+    ([1, 1, 1], [(3, 2, 3, 8)]),                      # decodes: [B, KH, G, D]
+    ([3, 1, 2], [(3, 2, 9, 8)]),                      # verify: [B, KH, T*G, D]
+    ([1, 5, 1], [(3, 2, 15, 8)]),
+    ([18, 1, 2], [(2, 2, 6, 8), (1, 6, 18, 8)]),      # a prompt: its own call, [B, H, T, D]
+    ([18, 20, 1], [(1, 2, 3, 8), (3, 6, 20, 8)]),     # slots 2, 0: rows 0..2 of the cache
+    ([18, 20, 17], [(3, 6, 20, 8)]),                  # prompts only: one call
+])
+def test_sdpa_runs_fold_gqa_and_match_per_token_attention(q_lens, queries, monkeypatch):
+    """Decode and verify windows put the GQA group and the run's tokens on one query axis (K/V
+    read once per KV head, never repeated); prompts (over FOLD_MAX_T) keep [B, H, T, D] and,
+    next to decodes, get an SDPA call of their own. Every layout matches attention computed
+    token by token."""
     gen = torch.Generator().manual_seed(5)
-    h, kh, d, capacity, scale = 6, 2, 8, 32, 0.3
+    h, kh, d, capacity, scale = 6, 2, 8, 48, 0.3
     slots, starts = [2, 0, 1], [4, 9, 0]
     k_cache = torch.randn(3, capacity, kh, d, generator=gen)
     v_cache = torch.randn(3, capacity, kh, d, generator=gen)
@@ -218,16 +226,12 @@ def test_sdpa_verify_runs_fold_gqa_and_match_per_token_attention(q_lens, monkeyp
     write_kv(k_cache, v_cache, k_new, v_new, meta)
     shapes, real = [], F.scaled_dot_product_attention
 
-    def spy(query, key, *args, **kwargs):
-        shapes.append((tuple(query.shape), tuple(key.shape)))
-        return real(query, key, *args, **kwargs)
+    def spy(query, *args, **kwargs):
+        shapes.append(tuple(query.shape))
+        return real(query, *args, **kwargs)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     got = attend(q, k_cache, v_cache, meta, scale)
     want = _naive_attention(q, k_cache, v_cache, slots, starts, q_lens, scale)
     assert torch.allclose(got, want, atol=1e-5)
-    t, lk = max(q_lens), max(s + n for s, n in zip(starts, q_lens))
-    if t <= attention.FOLD_MAX_T:
-        assert shapes == [((3, kh, t * h // kh, d), (3, kh, lk, d))]
-    else:
-        assert shapes == [((3, h, t, d), (3, kh, lk, d))]
+    assert shapes == queries

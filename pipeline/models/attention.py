@@ -8,7 +8,9 @@ that into everything the kernels need, once per forward (not per layer).
   to [B, T]; a boolean mask [B, 1, T, Lk] gives causal order and hides keys past each
   slot's length. Decode and verify steps (T <= FOLD_MAX_T) fold the GQA group and the
   run's tokens into the query axis so one matmul per KV head serves all its query heads; a
-  decode of equal lengths needs no mask.
+  decode of equal lengths needs no mask. A forward that mixes prompts (runs over FOLD_MAX_T)
+  with decode/verify runs attends each group on its own (`AttnMetadata.groups`), so the
+  engine can prefill in the decode step's forward without padding decodes to a prompt.
 - "flash": `flash_attn_varlen_func` of vllm-flash-attn 2.6.2 on CUDA, reading the slot
   cache as a paged cache whose page is a whole slot (`block_table = slots[:, None]`; key
   lengths as `cu_seqlens_k`, the cumulative slot lengths: that release has no `seqused_k`).
@@ -25,6 +27,7 @@ only when present; otherwise KV heads are repeated to the query heads.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +92,10 @@ class AttnMetadata:
     cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32, cumulative run lengths
     cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32, cumulative slot lengths after this
     block_table: torch.Tensor | None = None   # [B, 1] int32, run i's one page: its slot
+    # sdpa, prefills next to decode/verify runs: (token indices, metadata) per group, each
+    # attended on its own (one padded [B, T] over a prompt and 1-token decodes would pad
+    # every decode to the prompt's length)
+    groups: list[tuple[torch.Tensor, AttnMetadata]] | None = None
 
 
 def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: list[int],
@@ -116,6 +123,17 @@ def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: li
         # block_table[b], row i), so cumulative slot lengths give each run its key count.
         meta.cu_seqlens_k = _cumulative(k_lens).to(device)
         meta.block_table = slots_t.to(torch.int32)[:, None].to(device)
+        return meta
+    long = [q > FOLD_MAX_T for q in q_lens]
+    if any(long) and not all(long):
+        offsets = [0, *itertools.accumulate(q_lens)]
+        meta.groups = []
+        for flag in (False, True):
+            runs = [i for i in range(b) if long[i] == flag]
+            tokens = [t for i in runs for t in range(offsets[i], offsets[i + 1])]
+            sub = build_metadata(backend, [slots[i] for i in runs], [starts[i] for i in runs],
+                                 [q_lens[i] for i in runs], capacity, device)
+            meta.groups.append((torch.tensor(tokens, device=device), sub))
         return meta
     # SDPA rows. Slots lo..lo+b-1 in order: the cache slice is the batch. Slots spread over at
     # most 2b: attend over the whole slice (absent slots are padding rows) instead of copying
@@ -166,6 +184,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     """q [N, H, D] against the cache (new KV already written) -> [N, H*D]."""
     if meta.backend == "flash":
         return _attend_flash(q, k_cache, v_cache, meta, scale)
+    if meta.groups is not None:
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for tokens, sub in meta.groups:
+            out[tokens] = _attend_sdpa(q[tokens], k_cache, v_cache, sub, scale)
+        return out
     return _attend_sdpa(q, k_cache, v_cache, meta, scale)
 
 
