@@ -224,6 +224,38 @@ def test_200_requests_through_8_slots_complete_in_fifo_order(reference):
     assert core.scheduler.free_slots == 8 and not core.scheduler.waiting
 
 
+def test_requests_admitted_while_others_decode_share_their_forward(reference):
+    """Every step is one model forward, prompts and verify runs together (a forward's fixed cost
+    paid once a step); a step that prefilled reports no decode time to the adaptive k's cost
+    model (its forward is not what the decodes cost), a step of decodes alone does."""
+    requests = [(f"q{i}", PROMPTS[i % len(PROMPTS)],
+                 SamplingParams(max_new_tokens=3 + 4 * i, ignore_eos=True)) for i in range(6)]
+    core = build_local_engine(load_config(CONFIG, {"num_slots": 3, "draft": "ngram"}))
+    runner, verifier = core.stages.verifier.runner, core.stages.verifier
+    forwards, steps = [], []
+    forward, step = runner.forward, verifier.step
+
+    def count_forward(*a, **kw):
+        forwards.append(len(a[0]))
+        return forward(*a, **kw)
+
+    def record_step(plan, proposal):
+        before = len(forwards)
+        outcome = step(plan, proposal)
+        steps.append((len(plan.new), len(plan.decode), len(forwards) - before, outcome.decode_s))
+        return outcome
+
+    runner.forward, verifier.step = count_forward, record_step
+    out = asyncio.run(collect(core, requests))
+    for rid, prompt, params in requests:
+        assert out[rid].token_ids == reference[PROMPTS.index(prompt)][: params.max_new_tokens]
+    work = [s for s in steps if s[0] or s[1]]  # not the release-only steps
+    assert any(new and decode for new, decode, _, _ in work), "nobody joined running requests"
+    assert [n for _, _, n, _ in work] == [1] * len(work)
+    assert all(seconds is None for new, _, _, seconds in work if new)
+    assert all(seconds > 0 for new, _, _, seconds in work if not new)
+
+
 def test_generation_stops_at_max_model_len(reference):
     prompt = PROMPTS[6]
     out, _ = run({"max_model_len": 24}, [
