@@ -57,4 +57,5 @@ class StepOutcome:
     drafted: list[int]
     expected: list[float | None] | None = None  # per rid: the verified drafts' summed confidence
     payload: Any = b""  # the msgpack message (bytes), or under Ray an object ref to it
-    decode_s: float | None = None  # seconds drafting + verifying the decodes (not the prefills)
+    # seconds drafting + verifying the decodes; None when the step also prefilled (one forward)
+    decode_s: float | None = None
