@@ -209,10 +209,11 @@ def accept_greedy_packed(
     num_pos = draft_token_ids.shape[1]
     device = logits.device
     num_drafts = num_drafts.long().to(device)
-    if int((num_drafts + 1).sum()) != logits.shape[0]:
-        raise ValueError(f"logits must hold sum(num_drafts + 1) = {int((num_drafts + 1).sum())} "
-                         f"rows, got {logits.shape[0]}")
-    starts = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
+    run_lens = num_drafts + 1
+    if int(run_lens.sum()) != logits.shape[0]:
+        raise ValueError(f"logits must hold sum(num_drafts + 1) = {int(run_lens.sum())} rows, "
+                         f"got {logits.shape[0]}")
+    starts = torch.cumsum(run_lens, 0) - run_lens
     # [B, K+1] packed row of each position; past a run's end, its last row (masked below)
     pos = torch.arange(num_pos + 1, device=device)[None, :]
     rows = starts[:, None] + torch.minimum(pos, num_drafts[:, None])

@@ -75,8 +75,9 @@ class Verifier:
         if proposal is not None and proposal.confidence is not None:
             outcome.expected = [None] * len(plan.new) + [
                 float(sum(c[: len(d)])) for c, d in zip(proposal.confidence, drafts)]
-        if plan.decode and decode_s is not None:  # what the decodes cost: drafting, their
-            outcome.decode_s = (decode_s + time.perf_counter() - start  # forward, acceptance
+        if plan.decode and decode_s is not None:
+            # what the decodes cost: drafting, their forward, acceptance
+            outcome.decode_s = (decode_s + time.perf_counter() - start
                                 + (proposal.seconds if proposal is not None else 0.0))
         return outcome
 
