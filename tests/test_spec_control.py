@@ -134,6 +134,21 @@ def test_a_request_left_at_zero_is_probed_with_one_draft():
     assert ks[:4] == [0, 0, 0, 1]  # after 3 steps without a verified draft
 
 
+def test_a_probe_the_proposer_had_no_draft_for_waits_its_interval_again():
+    # chat: a due request probes at its next stray n-gram match, alone in its step, unless a
+    # probe without a draft counts as made
+    c = controller(probe_every=3)
+    trained(c, base=0.05, per_row=0.01)
+    c.choose(["a"], [4])
+    for _ in range(20):
+        c.observe(["a"], [4], [1], None)
+    ks = []
+    for _ in range(12):  # the proposer never has a draft
+        ks.append(c.choose(["a"], [4])[0])
+        c.observe(["a"], [0], [1], None)
+    assert ks == [0, 0, 0, 1] * 3
+
+
 def test_a_rejected_probe_doubles_the_wait_and_an_accepted_draft_resets_it():
     c = controller(probe_every=2, probe_backoff=4)
     trained(c, base=0.05, per_row=0.01)

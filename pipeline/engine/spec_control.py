@@ -30,7 +30,8 @@ draft sure to be accepted would pay: never at a batch where no draft can). Each 
 whole doubles the request's wait for the next (up to `probe_every * probe_backoff`), an accepted
 draft resets it: on chat at batch 8 a fixed interval spent 412 verify rows on probes that kept
 24% (the break-even there is ~40%), while copied text that returns is still found within a few
-dozen steps. Each step costs
+dozen steps. A probe the proposer had no draft for waits its interval again, so probes come on
+schedule, with the rest of the request's wave, not alone at each stray match. Each step costs
 O(batch * max_k * log) here, whatever the output lengths.
 
 A proposer that scores its drafts (`Proposal.confidence`: the chance drafts 0..j are all
@@ -336,8 +337,11 @@ class SpecController:
         s = self.settings
         for i, (rid, d, n) in enumerate(zip(rids, drafted, num_tokens)):
             own = self._acc.get(rid)
-            if own is not None:  # steps without a verified draft, whoever decided it
-                own.idle = 0 if d > 0 else own.idle + 1
+            if own is not None:  # steps without a verified draft, whoever decided it; a probe
+                # the proposer had nothing for counts as made, else a due request would probe
+                # alone whenever some stray match turned up (chat: a step paying the longest
+                # draft for one row that is rarely kept), and not with the others of its wave
+                own.idle = 0 if d > 0 or rid in self._probing else own.idle + 1
             if d > 0:
                 run = own is not None and own.run
                 (self.hot_pool if run else self.pool).update(d, n - 1, s.pool_alpha)
