@@ -87,6 +87,21 @@ def test_each_batch_class_learns_its_own_step_cost():
     assert costs.coefficients(8)[1] == pytest.approx(0.01, abs=5e-4)  # batch 1 left it alone
 
 
+def test_a_new_batch_class_starts_from_the_nearest_known_class_slopes():
+    # batch 32 on CPU: a plain step of 32 rows takes 0.44 s, a verify row ~3 ms; its plain steps
+    # alone cannot tell what a row costs, so a prior of a tenth of the base (~10 ms a row) would
+    # keep every draft out, and no verified row would ever correct it
+    costs = StepCosts(decay=0.97)
+    for i in range(200):
+        costs.observe(8, 8 + i % 9, i % 3, 0.3 + 0.003 * (8 + i % 9) + 0.004 * (i % 3))
+    costs.observe(1, 1, 0, 0.06)  # batch 1 is farther from 32 than batch 8 is
+    costs.observe(32, 32, 0, 0.44)
+    base, per_row, per_draft = costs.coefficients(32)
+    assert (per_row, per_draft) == pytest.approx(costs.coefficients(8)[1:])
+    assert (per_row, per_draft) == pytest.approx((0.003, 0.004), rel=0.1)  # not 0.01 a row
+    assert base == pytest.approx(0.44, rel=0.01)  # the plain step it measured
+
+
 def test_cheap_rows_and_good_acceptance_draft_the_most():
     c = controller()
     trained(c, base=0.05, per_row=0.001)
