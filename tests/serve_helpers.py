@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,6 +27,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@functools.cache
+def ray_token() -> str:
+    """The token of this test run's `ray start` clusters. `ray start` with RAY_AUTH_MODE=token
+    needs one and, unlike `ray.init`, does not make one: on a fresh machine (no
+    ~/.ray/auth_token yet) the first `ray start` failed."""
+    return secrets.token_hex(32)
+
+
+def ray_cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a `ray start` / `ray job submit` / driver process of these tests:
+    token auth on, with this run's token, and never an outer RAY_ADDRESS."""
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_token(),
+               RAY_USAGE_STATS_ENABLED="0", **extra)
+    env.pop("RAY_ADDRESS", None)
+    return env
 
 
 def ray_node_ports(count: int, taken: tuple[int, ...] = ()) -> tuple[range, list[int]]:

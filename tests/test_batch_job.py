@@ -18,18 +18,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serve_helpers import ROOT, ray_node_ports
+from serve_helpers import ROOT, ray_cli_env, ray_node_ports
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 BIN = os.path.dirname(sys.executable)
 RAY = os.path.join(BIN, "ray")
-
-
-def ray_env() -> dict[str, str]:
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)
-    return env
 
 
 @contextlib.contextmanager
@@ -53,7 +47,7 @@ def ray_head(tmp: str) -> Iterator[int]:
             return f.read()[-3000:]
 
     with open(log_path, "w") as log:
-        head = subprocess.Popen(cmd, env=ray_env(), stdout=log, stderr=subprocess.STDOUT,
+        head = subprocess.Popen(cmd, env=ray_cli_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -94,7 +88,7 @@ def test_ray_job_submit_batch_generate_writes_results():
                  "--input", inp, "--output", out, "--config",
                  os.path.join(ROOT, "configs", "tiny.yaml"), "--max-tokens", "5",
                  "--progress-every", "0.5"],
-                env=ray_env(), capture_output=True, text=True, timeout=240, check=False)
+                env=ray_cli_env(), capture_output=True, text=True, timeout=240, check=False)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "succeeded" in proc.stdout + proc.stderr
         assert "progress: 4/4 prompts, 1 errors" in proc.stdout
@@ -117,7 +111,7 @@ def run_batch_script(tmp: str, lines: list, *args: str) -> subprocess.Popen:
     inp = os.path.join(tmp, "in.jsonl")
     with open(inp, "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
-    env = dict(ray_env(), RAY_ADDRESS="local")
+    env = dict(ray_cli_env(), RAY_ADDRESS="local")
     return subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "scripts", "batch_generate.py"), "--input", inp,
          "--output", os.path.join(tmp, "out.jsonl"), *args], env=env, stdout=subprocess.PIPE,

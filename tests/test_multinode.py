@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from serve_helpers import ROOT, free_port, ray_node_ports
+from serve_helpers import ROOT, free_port, ray_cli_env, ray_node_ports
 
 from pipeline.tracing.trace_file import read_spans
 
@@ -77,10 +77,8 @@ class Cluster:
                     f"--ray-client-server-port={port()}"]
         else:
             cmd += [f"--address={self.address}"]
-        env = dict(os.environ, RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0",
-                   # Every process on this node labels its spans with the node's name.
-                   OTEL_RESOURCE_ATTRIBUTES=f"specrelay.node={name}")
-        env.pop("RAY_ADDRESS", None)
+        # Every process on this node labels its spans with the node's name.
+        env = ray_cli_env(OTEL_RESOURCE_ATTRIBUTES=f"specrelay.node={name}")
         os.makedirs(f"{self.tmp}/{tag}", exist_ok=True)
         with open(f"{self.tmp}/{tag}.log", "w") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -147,8 +145,7 @@ def cluster() -> Iterator[Cluster]:
 
 def run_driver(cluster: Cluster, trace_dir: str) -> dict:
     (raylet_b,) = cluster.pids(cluster.procs["b"], "raylet")
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)
+    env = ray_cli_env()
     driver = subprocess.Popen([sys.executable, DRIVER, cluster.address, trace_dir,
                                str(raylet_b)], env=env, cwd=ROOT, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
