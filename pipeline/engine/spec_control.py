@@ -204,7 +204,8 @@ class StepCosts:
     known class's. Its own plain steps say nothing of what a row costs (every one has the same
     rows), and a prior that overprices rows is never corrected, since no row is then verified:
     at batch 32 a tenth of the base priced a row at ~10 ms where one costs ~3, and copy text
-    was drafted nothing while fixed k = 2 ran 6% faster than target-only."""
+    was drafted nothing while fixed k = 2 ran 6% faster than target-only. Still open: a nearest
+    class at a much smaller batch (batch 2 before 32) can overprice rows the same way."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
