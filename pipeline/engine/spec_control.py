@@ -134,23 +134,23 @@ def gains(p: list[float], k: int) -> list[float]:
 class CostModel:
     """Seconds of one decode step ~ base + per_row * rows + per_draft * longest draft, fitted by
     exponentially weighted least squares over (rows, longest draft) observations. The first
-    observation sets the scale of a prior: the slopes given (`slopes`, per row and per draft),
+    observation sets the scale of a prior: the slopes given (`prior_slopes`: per row, per draft),
     or else a verify row costing a tenth of the base."""
 
     decay: float = 0.97
     prior_weight: float = 2.0
-    slopes: tuple[float, float] | None = None
+    prior_slopes: tuple[float, float] | None = None
     _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
     _coef: np.ndarray | None = None
 
     def observe(self, rows: int, longest: int, seconds: float) -> None:
         if self._coef is None:  # the scale: a prior from the first observation
-            if self.slopes is None:
+            if self.prior_slopes is None:
                 base = seconds / (1.0 + 0.1 * rows)
                 per_row, per_draft = 0.1 * base, 0.0
             else:
-                per_row, per_draft = self.slopes
+                per_row, per_draft = self.prior_slopes
                 base = max(seconds - per_row * rows - per_draft * longest, 0.1 * seconds)
             for r, k in ((1, 0), (4 * rows + 4, 0), (rows, 4)):
                 self._add(r, k, base + per_row * r + per_draft * k, self.prior_weight)
@@ -219,7 +219,7 @@ class StepCosts:
             if known:
                 near = self._models[min(known, key=lambda k: (abs(k - key), -k))]
                 slopes = near.coefficients(1)[1:]
-            self._models[key] = CostModel(self.decay, slopes=slopes)
+            self._models[key] = CostModel(self.decay, prior_slopes=slopes)
         self._models[key].observe(rows, longest, seconds)
 
     def known(self, batch: int) -> bool:
