@@ -1,5 +1,6 @@
 """The engine on Ray: TP=1 and TP=2 (two verifier actors) give target-only greedy output through
-the streaming `generate`; abort; a killed draft actor or verifier rank fails in-flight requests
+the streaming `generate` (TP=1 drafts with a draft model at fixed k, so drafts are verified
+whatever the measured step costs; TP=2 drafts n-grams at adaptive k); abort; a killed draft actor or verifier rank fails in-flight requests
 quickly, the engine reports unhealthy, then rebuilds its stage actors."""
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def reference() -> dict[int, list[int]]:
 @pytest.fixture(scope="module")
 def engines(ray_cluster):
     handles = {
-        "tp1": start_engine(load_config("configs/tiny.yaml")),
+        # Adaptive k may rightly draft nothing here: the tiny draft model costs what the target
+        # does, and on a slow machine no draft pays at batch 8.
+        "tp1": start_engine(load_config("configs/tiny.yaml", {"speculation": "fixed"})),
         "tp2": start_engine(load_config("configs/tiny-tp2.yaml", {"draft": "ngram"})),
     }
     yield handles
