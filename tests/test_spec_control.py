@@ -102,6 +102,30 @@ def test_a_new_batch_class_starts_from_the_nearest_known_class_slopes():
     assert base == pytest.approx(0.44, rel=0.01)  # the plain step it measured
 
 
+def test_a_class_whose_rows_only_the_prior_priced_probes_at_the_cap_and_then_drafts():
+    # copy at batch 32 after a warm-up at batch 2, where a row costs 20 ms: the new class takes
+    # that slope, a sure draft would not pay at it, and plain steps never correct it (drafted
+    # nothing while fixed k = 2 ran faster). Its rows really cost 3 ms.
+    c = controller(probe_every=8, margin=1.5)
+    for i in range(40):
+        rows = 2 + i % 5
+        c.cost.observe(2, rows, min(i % 5, 4), 0.06 + 0.02 * rows)
+    c.choose(["w"], [4])
+    for _ in range(60):  # the pool learned copies
+        c.observe(["w"], [4], [5], None)
+    c.forget("w")
+    rids = [f"r{i}" for i in range(32)]
+    drafts = []
+    for _ in range(12):
+        ks = c.choose(rids, [4] * 32)
+        drafts.append(sum(ks))
+        c.observe(rids, ks, [k + 1 for k in ks], 0.34 + 0.003 * (32 + sum(ks)) + 0.004 * max(ks))
+    assert drafts[:8] == [0] * 8  # nothing measured of a row yet; the plan prices it at 20 ms
+    assert drafts[8] == 32 * 4  # the first probes, each at its cap
+    assert all(d > 0 for d in drafts[9:])  # the rows measured cheap: copies get drafts
+    assert c.cost.coefficients(32)[1] < 0.005
+
+
 def test_cheap_rows_and_good_acceptance_draft_the_most():
     c = controller()
     trained(c, base=0.05, per_row=0.001)

@@ -26,7 +26,9 @@ that finishes sooner hands its slot to the next one, and the engine cannot tell 
 steady state (weighing gains by how close a request is to ending the batch, tried while the
 benchmark ran closed waves, starved copies in a closed loop). A request with no draft verified
 for `probe_every` steps gets one, so text that turns repetitive earns drafts again (only where a
-draft sure to be accepted would pay: never at a batch where no draft can). Each probe rejected
+draft sure to be accepted would pay: never at a batch where no draft can, as measured: in a batch
+class whose verify rows are still priced by its prior, a probe verifies the request's whole cap
+and measures them). Each probe rejected
 whole doubles the request's wait for the next (up to `probe_every * probe_backoff`), an accepted
 draft resets it: on chat at batch 8 a fixed interval spent 412 verify rows on probes that kept
 24% (the break-even there is ~40%), while copied text that returns is still found within a few
@@ -135,7 +137,9 @@ class CostModel:
     """Seconds of one decode step ~ base + per_row * rows + per_draft * longest draft, fitted by
     exponentially weighted least squares over (rows, longest draft) observations. The first
     observation sets the scale of a prior: the slopes given (`prior_slopes`: per row, per draft),
-    or else a verify row costing a tenth of the base."""
+    or else a verify row costing a tenth of the base. `rows_measured` once the steps that verified
+    rows weigh as much as one of the prior's points (both decay alike): until then what a row
+    costs is mostly the prior's word, since plain steps all have the same rows."""
 
     decay: float = 0.97
     prior_weight: float = 2.0
@@ -143,8 +147,10 @@ class CostModel:
     _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
     _coef: np.ndarray | None = None
+    _prior_left: float = 0.0  # one prior point's weight, decayed like the observations
+    _verified: float = 0.0  # decayed weight of the steps that verified rows beyond the batch
 
-    def observe(self, rows: int, longest: int, seconds: float) -> None:
+    def observe(self, rows: int, longest: int, seconds: float, verified: bool = False) -> None:
         if self._coef is None:  # the scale: a prior from the first observation
             if self.prior_slopes is None:
                 base = seconds / (1.0 + 0.1 * rows)
@@ -154,8 +160,11 @@ class CostModel:
                 base = max(seconds - per_row * rows - per_draft * longest, 0.1 * seconds)
             for r, k in ((1, 0), (4 * rows + 4, 0), (rows, 4)):
                 self._add(r, k, base + per_row * r + per_draft * k, self.prior_weight)
+            self._prior_left = self.prior_weight
         self._xx *= self.decay
         self._xy *= self.decay
+        self._prior_left *= self.decay
+        self._verified = self._verified * self.decay + float(verified)
         self._add(rows, longest, seconds, 1.0)
         self._coef = self._fit()
 
@@ -185,6 +194,10 @@ class CostModel:
     def known(self) -> bool:
         return self._coef is not None
 
+    @property
+    def rows_measured(self) -> bool:
+        return self._verified >= self._prior_left
+
     def seconds(self, rows: int, longest: int) -> float:
         base, _, per_draft = self.coefficients(rows)  # `rows` plain rows cost base
         return base + per_draft * longest
@@ -205,7 +218,10 @@ class StepCosts:
     rows), and a prior that overprices rows is never corrected, since no row is then verified:
     at batch 32 a tenth of the base priced a row at ~10 ms where one costs ~3, and copy text
     was drafted nothing while fixed k = 2 ran 6% faster than target-only. Still open: a nearest
-    class at a much smaller batch (batch 2 before 32) can overprice rows the same way."""
+    class at a much smaller batch can overprice rows the same way (copy at batch 32, seeded
+    from the warm-up's batch 2, drafted nothing), so a class that has not yet measured a step
+    with verify rows is not trusted to rule out probes (`rows_measured`, SpecController.choose):
+    the first probes measure what its rows cost."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
@@ -220,11 +236,15 @@ class StepCosts:
                 near = self._models[min(known, key=lambda k: (abs(k - key), -k))]
                 slopes = near.coefficients(1)[1:]
             self._models[key] = CostModel(self.decay, prior_slopes=slopes)
-        self._models[key].observe(rows, longest, seconds)
+        self._models[key].observe(rows, longest, seconds, verified=rows > batch)
 
     def known(self, batch: int) -> bool:
         m = self._models.get(batch.bit_length())
         return m is not None and m.known
+
+    def rows_measured(self, batch: int) -> bool:
+        m = self._models.get(batch.bit_length())
+        return m is not None and m.rows_measured
 
     def coefficients(self, batch: int) -> tuple[float, float, float]:
         return self._models[batch.bit_length()].coefficients(batch)
@@ -244,6 +264,7 @@ class SpecController:
         self._hot: dict[str, Acceptance] = {}  # each request's own in-run estimate
         self.floor = math.inf  # break-even gain of a verify row (tokens); > 1: no draft pays
         self._probing: set[str] = set()  # this step's probes
+        self._probe_floor = math.inf  # their floor: 0 where the class has not measured a row
 
     def choose(self, rids: list[str], caps: list[int],
                pinned: list[bool] | None = None) -> list[int]:
@@ -263,13 +284,20 @@ class SpecController:
         else:
             pooled = (self.pooled(), self.pooled(run=True))  # once a step, not per request
             ks = self._best([gains(self._estimate(r, *pooled), c) for r, c in zip(rids, caps)])
+        # A probe only where a draft sure to be accepted would pay for its row. A class whose
+        # rows the prior still prices cannot rule that out (a prior that overprices rows would
+        # never be corrected), and probes there verify every draft the cap allows: one step of
+        # many rows outweighs the prior, a one-draft probe barely moves it (copy at batch 32:
+        # three probe waves, 27 steps, before the first plan with drafts; at the cap, one).
+        measured = self.cost.rows_measured(len(rids))
+        probe_pays = self.cost.known(len(rids)) and (self.floor <= 1.0 or not measured)
+        self._probe_floor = self.floor if measured else 0.0
         for i, (a, cap) in enumerate(zip(accs, caps)):
             if pinned is not None and pinned[i]:
                 ks[i] = cap
-            elif cap > 0 and a.idle >= a.probe_wait and self.floor <= 1.0:
-                # a probe only where a draft sure to be accepted would pay for its row (a scored
-                # request may have had k > 0 and still no draft past its floor)
-                ks[i] = max(ks[i], 1)
+            elif cap > 0 and a.idle >= a.probe_wait and probe_pays:
+                # (a scored request may have had k > 0 and still no draft past its floor)
+                ks[i] = max(ks[i], 1 if measured else cap)
                 self._probing.add(rids[i])
         return ks
 
@@ -287,7 +315,7 @@ class SpecController:
                 out.append(0.0)
                 continue
             if rid in self._probing:  # the proposer's own scores, once: a calibration that
-                out.append(self.floor)  # fell too low to verify anything can recover
+                out.append(self._probe_floor)  # fell too low to verify anything can recover
                 continue
             calib = self._state(rid).calibration(pool, s.prior_weight)
             out.append(self.floor / max(calib, 1e-3))
