@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 KEY = "scan-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-GRACE_S = 60
+GRACE_S = 60  # the 4-choice stream below ends within ~25 s of the SIGTERM on a slow 2-core VM
 
 
 def listening_sockets(root: psutil.Process) -> list[tuple[int, str, str, int]]:
@@ -78,7 +78,7 @@ def test_serve_proxy_routes_need_the_key_but_a_local_healthz_probe_does_not(depl
 
 def test_sigterm_refuses_new_requests_while_in_flight_ones_finish(deployment):
     proc, base, _, log_path = deployment
-    body = {"prompt": "go", "max_tokens": 900, "n": 4, "ignore_eos": True, "stream": True}
+    body = {"prompt": "go", "max_tokens": 400, "n": 4, "ignore_eos": True, "stream": True}
     events: list[tuple[float, str]] = []
     chunks: list[dict] = []
     first = threading.Event()
