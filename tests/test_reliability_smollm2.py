@@ -29,7 +29,10 @@ FAN_OUTS = 3
 PROBE = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
 PROBES = 20
 PROBE_BOUND_S = 3.0  # the issue's bound: another client's 4-token request, p99 of 20
-STALL_BOUND_S = 10.0  # docs/reliability.md: a stopped verifier ends requests, /health 503
+# docs/reliability.md: a stopped verifier ends requests and /health turns 503 within the stall
+# bound (its 5 s floor on a quiet machine, 10 x the p99 step time on a loaded one) + 5 s
+STALL_OVERHEAD_S = 5.0
+CEILING_S = 30.0  # step_timeout_s of configs/smollm2-cpu.yaml: the bound before steps were timed
 REBUILD_BOUND_S = 120.0  # SmolLM2's load time, on two shared cores
 CANARY = {"prompt": "The quick brown fox", "max_tokens": 12, "ignore_eos": True, "logprobs": 1}
 
@@ -104,9 +107,11 @@ def test_a_stopped_verifier_turns_health_503_and_ends_requests_then_recovers(bas
         for event in firsts:
             assert event.wait(60)
         deadline = time.monotonic() + 60  # the adaptive bound is in force (steps were timed)
-        while engine_stats(APP)["stall_bound_s"] > 5.0:
+        while engine_stats(APP)["stall_bound_s"] >= CEILING_S:
             assert time.monotonic() < deadline, engine_stats(APP)
             time.sleep(0.1)
+        # the bound of the decode steps now in flight (it moves with each step's tokens)
+        stall = max(engine_stats(APP)["stall_bound_s"] for _ in range(10))
         watch = HealthWatch(base)
         t_stop = time.monotonic()
         os.kill(pid, signal.SIGSTOP)  # held up to 40 s; the rebuild kills it sooner
@@ -117,7 +122,8 @@ def test_a_stopped_verifier_turns_health_503_and_ends_requests_then_recovers(bas
                 ends.append(time.monotonic() - t_stop)
                 out.check_one_terminal_each()
                 assert out.error is not None and out.error["code"] == "engine_unavailable", out
-            while watch.first_503 is None and time.monotonic() - t_stop < STALL_BOUND_S:
+            while watch.first_503 is None and \
+                    time.monotonic() - t_stop < stall + STALL_OVERHEAD_S:
                 time.sleep(0.05)
             first_503 = watch.first_503
         finally:
@@ -127,10 +133,11 @@ def test_a_stopped_verifier_turns_health_503_and_ends_requests_then_recovers(bas
                 remaining = 40 - (time.monotonic() - t_stop)
             if _alive(pid):
                 os.kill(pid, signal.SIGCONT)
-    print(f"stopped verifier: requests ended after {max(ends):.1f}s, /health 503 after "
-          f"{first_503 - t_stop:.1f}s" if first_503 else "no 503")
-    assert max(ends) < STALL_BOUND_S
-    assert first_503 is not None and first_503 - t_stop < STALL_BOUND_S
+    print(f"stopped verifier (stall bound {stall:.1f}s): requests ended after {max(ends):.1f}s, "
+          f"/health 503 after {first_503 - t_stop:.1f}s" if first_503 else "no 503")
+    assert stall < CEILING_S
+    assert max(ends) < stall + STALL_OVERHEAD_S
+    assert first_503 is not None and first_503 - t_stop < stall + STALL_OVERHEAD_S
     deadline = t_stop + REBUILD_BOUND_S
     while engine_stats(APP)["restarts"] < restarts + 1 or \
             httpx.get(f"{base}/health", timeout=5).status_code != 200:
