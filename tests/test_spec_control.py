@@ -102,10 +102,10 @@ def test_a_new_batch_class_starts_from_the_nearest_known_class_slopes():
     assert base == pytest.approx(0.44, rel=0.01)  # the plain step it measured
 
 
-def test_a_class_whose_rows_only_the_prior_priced_probes_at_the_cap_and_then_drafts():
+def test_a_class_whose_rows_only_the_prior_priced_drafts_every_cap_once_then_plans():
     # copy at batch 32 after a warm-up at batch 2, where a row costs 20 ms: the new class takes
-    # that slope, a sure draft would not pay at it, and plain steps never correct it (drafted
-    # nothing while fixed k = 2 ran faster). Its rows really cost 3 ms.
+    # that slope, no draft (not even a sure one) pays at it, and plain steps never correct it
+    # (copy drafted nothing while fixed k = 2 ran faster). Its rows really cost 3 ms.
     c = controller(probe_every=8, margin=1.5)
     for i in range(40):
         rows = 2 + i % 5
@@ -115,15 +115,34 @@ def test_a_class_whose_rows_only_the_prior_priced_probes_at_the_cap_and_then_dra
         c.observe(["w"], [4], [5], None)
     c.forget("w")
     rids = [f"r{i}" for i in range(32)]
-    drafts = []
-    for _ in range(12):
+    drafts, floors = [], []
+    for _ in range(10):
         ks = c.choose(rids, [4] * 32)
         drafts.append(sum(ks))
+        floors.append(c.min_gains(rids))
         c.observe(rids, ks, [k + 1 for k in ks], 0.34 + 0.003 * (32 + sum(ks)) + 0.004 * max(ks))
-    assert drafts[:8] == [0] * 8  # nothing measured of a row yet; the plan prices it at 20 ms
-    assert drafts[8] == 32 * 4  # the first probes, each at its cap
-    assert all(d > 0 for d in drafts[9:])  # the rows measured cheap: copies get drafts
-    assert c.cost.coefficients(32)[1] < 0.005
+    assert drafts[0] == 0  # the class's first step: nothing measured at batch 32
+    assert drafts[1] == 32 * 4 and floors[1] == [0.0] * 32  # every draft, to measure the rows
+    assert c.cost.rows_measured(32) and c.cost.coefficients(32)[1] < 0.005
+    assert all(d > 0 for d in drafts[2:])  # copies draft on the plan, not as probes
+    assert all(f > 0 for f in floors[2])
+
+
+def test_measuring_a_class_costs_about_prior_weight_batches_of_rows():
+    # chat: a quarter of the requests have a draft at a time, none is kept; the class drafts
+    # every cap until ~2 batches of extra rows were verified, then only probes (one draft)
+    c = controller(probe_every=8, margin=1.5)
+    rids = [f"r{i}" for i in range(8)]
+    drafts, longest = [], []
+    for step in range(30):
+        caps = [4 if (step + i) % 4 == 0 else 0 for i in range(8)]
+        ks = c.choose(rids, caps)
+        drafts.append(sum(ks))
+        longest.append(max(ks))
+        c.observe(rids, ks, [1] * 8, 0.1 + 0.03 * (8 + sum(ks)))
+    assert drafts[:4] == [0, 8, 8, 0], drafts  # plain (nothing measured), every cap twice
+    assert c.cost.rows_measured(8)
+    assert max(longest[3:]) == 1 and sum(drafts[3:]) < sum(drafts[:3]), drafts  # probes only
 
 
 def test_cheap_rows_and_good_acceptance_draft_the_most():

@@ -26,9 +26,9 @@ that finishes sooner hands its slot to the next one, and the engine cannot tell 
 steady state (weighing gains by how close a request is to ending the batch, tried while the
 benchmark ran closed waves, starved copies in a closed loop). A request with no draft verified
 for `probe_every` steps gets one, so text that turns repetitive earns drafts again (only where a
-draft sure to be accepted would pay: never at a batch where no draft can, as measured: in a batch
-class whose verify rows are still priced by its prior, a probe verifies the request's whole cap
-and measures them). Each probe rejected
+draft sure to be accepted would pay: never at a batch where no draft can). A batch class whose
+verify rows only its prior priced has every request draft its cap once, to measure them. Each
+probe rejected
 whole doubles the request's wait for the next (up to `probe_every * probe_backoff`), an accepted
 draft resets it: on chat at batch 8 a fixed interval spent 412 verify rows on probes that kept
 24% (the break-even there is ~40%), while copied text that returns is still found within a few
@@ -137,9 +137,10 @@ class CostModel:
     """Seconds of one decode step ~ base + per_row * rows + per_draft * longest draft, fitted by
     exponentially weighted least squares over (rows, longest draft) observations. The first
     observation sets the scale of a prior: the slopes given (`prior_slopes`: per row, per draft),
-    or else a verify row costing a tenth of the base. `rows_measured` once the steps that verified
-    rows weigh as much as one of the prior's points (both decay alike): until then what a row
-    costs is mostly the prior's word, since plain steps all have the same rows."""
+    or else a verify row costing a tenth of the base. `rows_measured` once the rows verified
+    beyond the batch, counted in batches, weigh as much as one of the prior's points (both decay
+    alike): until then what a row costs is mostly the prior's word, since plain steps all have
+    the same rows."""
 
     decay: float = 0.97
     prior_weight: float = 2.0
@@ -148,9 +149,9 @@ class CostModel:
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
     _coef: np.ndarray | None = None
     _prior_left: float = 0.0  # one prior point's weight, decayed like the observations
-    _verified: float = 0.0  # decayed weight of the steps that verified rows beyond the batch
+    _verified: float = 0.0  # decayed verify rows beyond the batch, in batches
 
-    def observe(self, rows: int, longest: int, seconds: float, verified: bool = False) -> None:
+    def observe(self, rows: int, longest: int, seconds: float, verified: float = 0.0) -> None:
         if self._coef is None:  # the scale: a prior from the first observation
             if self.prior_slopes is None:
                 base = seconds / (1.0 + 0.1 * rows)
@@ -164,7 +165,7 @@ class CostModel:
         self._xx *= self.decay
         self._xy *= self.decay
         self._prior_left *= self.decay
-        self._verified = self._verified * self.decay + float(verified)
+        self._verified = self._verified * self.decay + verified
         self._add(rows, longest, seconds, 1.0)
         self._coef = self._fit()
 
@@ -220,8 +221,7 @@ class StepCosts:
     was drafted nothing while fixed k = 2 ran 6% faster than target-only. Still open: a nearest
     class at a much smaller batch can overprice rows the same way (copy at batch 32, seeded
     from the warm-up's batch 2, drafted nothing), so a class that has not yet measured a step
-    with verify rows is not trusted to rule out probes (`rows_measured`, SpecController.choose):
-    the first probes measure what its rows cost."""
+    with verify rows (`rows_measured`) measures them first (SpecController.choose)."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
@@ -236,7 +236,7 @@ class StepCosts:
                 near = self._models[min(known, key=lambda k: (abs(k - key), -k))]
                 slopes = near.coefficients(1)[1:]
             self._models[key] = CostModel(self.decay, prior_slopes=slopes)
-        self._models[key].observe(rows, longest, seconds, verified=rows > batch)
+        self._models[key].observe(rows, longest, seconds, verified=(rows - batch) / batch)
 
     def known(self, batch: int) -> bool:
         m = self._models.get(batch.bit_length())
@@ -264,7 +264,7 @@ class SpecController:
         self._hot: dict[str, Acceptance] = {}  # each request's own in-run estimate
         self.floor = math.inf  # break-even gain of a verify row (tokens); > 1: no draft pays
         self._probing: set[str] = set()  # this step's probes
-        self._probe_floor = math.inf  # their floor: 0 where the class has not measured a row
+        self._exploring = False  # this step verifies every draft: its class's rows are unmeasured
 
     def choose(self, rids: list[str], caps: list[int],
                pinned: list[bool] | None = None) -> list[int]:
@@ -284,29 +284,29 @@ class SpecController:
         else:
             pooled = (self.pooled(), self.pooled(run=True))  # once a step, not per request
             ks = self._best([gains(self._estimate(r, *pooled), c) for r, c in zip(rids, caps)])
-        # A probe only where a draft sure to be accepted would pay for its row. A class whose
-        # rows the prior still prices cannot rule that out (a prior that overprices rows would
-        # never be corrected), and probes there verify every draft the cap allows: one step of
-        # many rows outweighs the prior, a one-draft probe barely moves it (copy at batch 32:
-        # three probe waves, 27 steps, before the first plan with drafts; at the cap, one).
-        measured = self.cost.rows_measured(len(rids))
-        probe_pays = self.cost.known(len(rids)) and (self.floor <= 1.0 or not measured)
-        self._probe_floor = self.floor if measured else 0.0
+        # A class whose verify rows only its prior priced (seeded from another batch size, or
+        # a tenth of the base) measures them first: every request drafts its cap, so the fit
+        # sees many rows at once (copy at batch 32 seeded from the warm-up's batch 2 priced a
+        # row at 17 ms where it costs ~3 to 6, ruled out every draft and probe, and plain steps
+        # never corrected it). Bounded: a class is measured once it has verified about
+        # `prior_weight` batches of extra rows, usually in one step.
+        self._exploring = self.cost.known(len(rids)) and not self.cost.rows_measured(len(rids))
         for i, (a, cap) in enumerate(zip(accs, caps)):
-            if pinned is not None and pinned[i]:
+            if (pinned is not None and pinned[i]) or self._exploring:
                 ks[i] = cap
-            elif cap > 0 and a.idle >= a.probe_wait and probe_pays:
-                # (a scored request may have had k > 0 and still no draft past its floor)
-                ks[i] = max(ks[i], 1 if measured else cap)
+            elif cap > 0 and a.idle >= a.probe_wait and self.floor <= 1.0:
+                # a probe only where a draft sure to be accepted would pay for its row (a scored
+                # request may have had k > 0 and still no draft past its floor)
+                ks[i] = max(ks[i], 1)
                 self._probing.add(rids[i])
         return ks
 
     def min_gains(self, rids: list[str], pinned: list[bool] | None = None) -> list[float]:
         """Per request, the least confidence a scored draft needs to be verified this step (call
         after `choose`): the break-even gain over the request's calibration. 0 (keep every
-        draft) in fixed mode and for pinned requests."""
+        draft) in fixed mode, for pinned requests and in a step that measures its class's rows."""
         s = self.settings
-        if s.mode == "fixed":
+        if s.mode == "fixed" or self._exploring:
             return [0.0] * len(rids)
         pool = self.pool.calibration(1.0, s.prior_weight)
         out = []
@@ -315,7 +315,7 @@ class SpecController:
                 out.append(0.0)
                 continue
             if rid in self._probing:  # the proposer's own scores, once: a calibration that
-                out.append(self._probe_floor)  # fell too low to verify anything can recover
+                out.append(self.floor)  # fell too low to verify anything can recover
                 continue
             calib = self._state(rid).calibration(pool, s.prior_weight)
             out.append(self.floor / max(calib, 1e-3))
