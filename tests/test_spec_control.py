@@ -128,6 +128,19 @@ def test_a_class_whose_rows_only_the_prior_priced_drafts_every_cap_once_then_pla
     assert all(f > 0 for f in floors[2])
 
 
+def test_once_a_class_measured_its_rows_the_prior_steps_back():
+    # copy at batch 32 (SmolLM2, CPU): seeded with batch 2's 11.7 ms a row, a plain step of
+    # 443 ms, then every request drafting 8: 288 rows in 855 ms (1.6 ms a row)
+    m = CostModel(prior_slopes=(0.0117, 0.0))
+    m.observe(32, 0, 0.443)
+    assert not m.rows_measured
+    m.observe(288, 8, 0.855, verified=256 / 32)
+    base, per_row, per_draft = m.coefficients(32)
+    assert m.rows_measured
+    assert per_row * 256 + per_draft * 8 == pytest.approx(0.855 - 0.443, rel=0.15)
+    assert base == pytest.approx(0.443, rel=0.1)
+
+
 def test_measuring_a_class_costs_about_prior_weight_batches_of_rows():
     # chat: a quarter of the requests have a draft at a time, none is kept; the class drafts
     # every cap until ~2 batches of extra rows were verified, then only probes (one draft)
