@@ -28,13 +28,12 @@ benchmark ran closed waves, starved copies in a closed loop). A request with no 
 for `probe_every` steps gets one, so text that turns repetitive earns drafts again (only where a
 draft sure to be accepted would pay: never at a batch where no draft can). A batch class whose
 verify rows only its prior priced has every request draft its cap once, to measure them. Each
-probe rejected
-whole doubles the request's wait for the next (up to `probe_every * probe_backoff`), an accepted
-draft resets it: on chat at batch 8 a fixed interval spent 412 verify rows on probes that kept
-24% (the break-even there is ~40%), while copied text that returns is still found within a few
-dozen steps. A probe the proposer had no draft for waits its interval again, so probes come on
-schedule, with the rest of the request's wave, not alone at each stray match. Each step costs
-O(batch * max_k * log) here, whatever the output lengths.
+probe rejected whole doubles the request's wait for the next (up to `probe_every *
+probe_backoff`), an accepted draft resets it: on chat at batch 8 a fixed interval spent 412
+verify rows on probes that kept 24% (the break-even there is ~40%), while copied text that
+returns is still found within a few dozen steps. A probe the proposer had no draft for waits its
+interval again, so probes come on schedule, with the rest of the request's wave, not alone at
+each stray match. Each step costs O(batch * max_k * log) here, whatever the output lengths.
 
 A proposer that scores its drafts (`Proposal.confidence`: the chance drafts 0..j are all
 accepted, e.g. suffix drafting) knows, per step, which drafts are likely; a per-position average
@@ -142,7 +141,7 @@ class CostModel:
     alike): until then what a row costs is the prior's word, since plain steps all have the same
     rows. From then on the prior keeps a tenth of its weight: its points lie far out on the row
     axis (1 and 4 x batch + 4 rows), and at full weight they outweighed a measured step of 288
-    rows at batch 32 (17 ms a row from batch 2's slope stayed 10 ms, where the step said 1.6)."""
+    rows at batch 32 (11.7 ms a row from batch 2's slope stayed 10.4 ms where the step said 1.6)."""
 
     decay: float = 0.97
     prior_weight: float = 2.0
@@ -233,10 +232,10 @@ class StepCosts:
     known class's. Its own plain steps say nothing of what a row costs (every one has the same
     rows), and a prior that overprices rows is never corrected, since no row is then verified:
     at batch 32 a tenth of the base priced a row at ~10 ms where one costs ~3, and copy text
-    was drafted nothing while fixed k = 2 ran 6% faster than target-only. Still open: a nearest
-    class at a much smaller batch can overprice rows the same way (copy at batch 32, seeded
-    from the warm-up's batch 2, drafted nothing), so a class that has not yet measured a step
-    with verify rows (`rows_measured`) measures them first (SpecController.choose)."""
+    was drafted nothing while fixed k = 2 ran 6% faster than target-only. A nearest class at a
+    much smaller batch overprices rows the same way (copy at batch 32, seeded from the warm-up's
+    batch 2, drafted nothing), so a class that has not measured its verify rows
+    (`rows_measured`) measures them before it plans (SpecController.choose)."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
@@ -302,7 +301,7 @@ class SpecController:
         # A class whose verify rows only its prior priced (seeded from another batch size, or
         # a tenth of the base) measures them first: every request drafts its cap, so the fit
         # sees many rows at once (copy at batch 32 seeded from the warm-up's batch 2 priced a
-        # row at 17 ms where it costs ~3 to 6, ruled out every draft and probe, and plain steps
+        # row at 12-17 ms where it costs 2-6, ruled out every draft and probe, and plain steps
         # never corrected it). Bounded: a class is measured once it has verified about
         # `prior_weight` batches of extra rows, usually in one step.
         self._exploring = self.cost.known(len(rids)) and not self.cost.rows_measured(len(rids))
