@@ -1,7 +1,8 @@
 """The engine on Ray: TP=1 and TP=2 (two verifier actors) give target-only greedy output through
 the streaming `generate` (TP=1 drafts with a draft model at fixed k, so drafts are verified
-whatever the measured step costs; TP=2 drafts n-grams at adaptive k); abort; a killed draft actor or verifier rank fails in-flight requests
-quickly, the engine reports unhealthy, then rebuilds its stage actors."""
+whatever the measured step costs; TP=2 drafts n-grams at adaptive k); abort; a killed draft
+actor or verifier rank fails in-flight requests quickly, the engine reports unhealthy, then
+rebuilds its stage actors."""
 
 from __future__ import annotations
 

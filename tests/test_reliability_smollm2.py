@@ -17,6 +17,8 @@ import pytest
 from reliability_support import HealthWatch, completion, engine_stats, stage_pids, wait_slots_free
 from serve_helpers import app_fixture
 
+from pipeline.engine.stall import MIN_SAMPLES
+
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 APP = "specrelay-reliability-smollm2"
@@ -32,7 +34,6 @@ PROBE_BOUND_S = 3.0  # the issue's bound: another client's 4-token request, p99 
 # docs/reliability.md: a stopped verifier ends requests and /health turns 503 within the stall
 # bound (its 5 s floor on a quiet machine, 10 x the p99 step time on a loaded one) + 5 s
 STALL_OVERHEAD_S = 5.0
-CEILING_S = 30.0  # step_timeout_s of configs/smollm2-cpu.yaml: the bound before steps were timed
 REBUILD_BOUND_S = 120.0  # SmolLM2's load time, on two shared cores
 CANARY = {"prompt": "The quick brown fox", "max_tokens": 12, "ignore_eos": True, "logprobs": 1}
 
@@ -106,8 +107,8 @@ def test_a_stopped_verifier_turns_health_503_and_ends_requests_then_recovers(bas
                    pool.submit(completion, base, dict(long))]
         for event in firsts:
             assert event.wait(60)
-        deadline = time.monotonic() + 60  # the adaptive bound is in force (steps were timed)
-        while engine_stats(APP)["stall_bound_s"] >= CEILING_S:
+        deadline = time.monotonic() + 60  # the adaptive bound is in force once steps were timed
+        while engine_stats(APP)["steps"] < MIN_SAMPLES:
             assert time.monotonic() < deadline, engine_stats(APP)
             time.sleep(0.1)
         # the bound of the decode steps now in flight (it moves with each step's tokens)
@@ -135,7 +136,6 @@ def test_a_stopped_verifier_turns_health_503_and_ends_requests_then_recovers(bas
                 os.kill(pid, signal.SIGCONT)
     print(f"stopped verifier (stall bound {stall:.1f}s): requests ended after {max(ends):.1f}s, "
           f"/health 503 after {first_503 - t_stop:.1f}s" if first_503 else "no 503")
-    assert stall < CEILING_S
     assert max(ends) < stall + STALL_OVERHEAD_S
     assert first_503 is not None and first_503 - t_stop < stall + STALL_OVERHEAD_S
     deadline = t_stop + REBUILD_BOUND_S
