@@ -163,11 +163,8 @@ class CostModel:
                 per_row, per_draft = self.prior_slopes
                 base = max(seconds - per_row * rows - per_draft * longest, 0.1 * seconds)
             for r, k in ((1, 0), (4 * rows + 4, 0), (rows, 4)):
-                x = np.array([1.0, float(r), float(k)])
-                self._prior_xx += self.prior_weight * np.outer(x, x)
-                self._prior_xy += self.prior_weight * (base + per_row * r + per_draft * k) * x
-            self._xx += self._prior_xx
-            self._xy += self._prior_xy
+                self._add(r, k, base + per_row * r + per_draft * k, self.prior_weight)
+            self._prior_xx, self._prior_xy = self._xx.copy(), self._xy.copy()
             self._prior_left = self.prior_weight
         was_measured = self.rows_measured
         for a in (self._xx, self._xy, self._prior_xx, self._prior_xy):
