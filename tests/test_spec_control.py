@@ -69,8 +69,9 @@ def test_the_cost_model_recovers_a_linear_step_time():
     for i in range(200):
         rows, longest = 1 + i % 7, i % 3
         m.observe(rows, longest, 0.05 + 0.01 * rows + 0.002 * longest)
-    base, per_row, per_draft = m.coefficients(0)
+    base, per_row, per_draft, per_verify = m.coefficients(0)
     assert (base, per_row, per_draft) == pytest.approx((0.05, 0.01, 0.002), abs=1e-4)
+    assert per_verify == pytest.approx(0.0, abs=1e-4)
 
 
 def test_each_batch_class_learns_its_own_step_cost():
@@ -80,11 +81,52 @@ def test_each_batch_class_learns_its_own_step_cost():
     assert costs.known(12) and not costs.known(1) and not costs.known(16)
     for i in range(200):  # batch 1: a row costs a tenth of that
         costs.observe(1, 1 + i % 5, i % 5, 0.05 + 0.001 * (1 + i % 5) + 0.0005 * (i % 5))
-    base, per_row, per_draft = costs.coefficients(1)
+    base, per_row, per_draft, _ = costs.coefficients(1)
     # at batch 1 rows and the longest draft move together: only their sum is identified
     assert base == pytest.approx(0.051, abs=2e-4) and per_row + per_draft == pytest.approx(
         0.0015, abs=2e-4)
     assert costs.coefficients(8)[1] == pytest.approx(0.01, abs=5e-4)  # batch 1 left it alone
+
+
+def _batch1_costs(c: SpecController) -> None:
+    """SmolLM2 at batch 1 on one CPU thread: a plain decode 60 ms; verifying any draft adds
+    40 ms (two rows leave the matrix-vector kernels), then 2.5 ms a draft."""
+    for i in range(300):
+        k = i % 9
+        c.cost.observe(1, 1 + k, k, 0.06 + (0.04 + 0.0025 * k if k else 0.0))
+
+
+def _teach_pool(c: SpecController, kept: list[int]) -> None:
+    """The pool learns position-0 outcomes (1 kept, 0 not), over and over, each a request's
+    first draft (of requests already gone: no run state)."""
+    for i in range(40):
+        for j, n in enumerate(kept):
+            c.observe([f"w{i}-{j}"], [1], [1 + n], None)
+
+
+def test_the_fixed_cost_of_verifying_any_draft_is_learned_apart_from_the_rows():
+    c = controller(max_k=8, probe_every=1000)
+    _batch1_costs(c)
+    base, per_row, per_draft, per_verify = c.cost.coefficients(1)
+    assert base == pytest.approx(0.06, abs=1e-3)
+    assert per_verify == pytest.approx(0.04, abs=1e-3)
+    assert per_row + per_draft == pytest.approx(0.0025, abs=2e-4)
+
+
+def test_a_draft_that_cannot_pay_for_the_verify_step_is_not_verified_at_batch_1():
+    # p = 0.4 a position: 1 draft yields 1.4 tokens in 102.5 ms, 3 drafts 1.62 in 107.5, 8
+    # drafts 1.67 in 120, a plain decode 1 in 60 (16.7 tokens/s against at best 15.1). A line
+    # through the step times prices a 1-draft step far below its 102.5 ms and drafts.
+    c = controller(max_k=8, probe_every=1000)
+    _batch1_costs(c)
+    _teach_pool(c, [1, 0, 1, 0, 0])
+    assert c.pooled()[0] == pytest.approx(0.4, abs=0.05)
+    assert c.choose(["r"], [8]) == [0]
+    # copied text (p = 0.9): the fixed cost is shared by many kept drafts, so draft them all
+    c2 = controller(max_k=8, probe_every=1000)
+    _batch1_costs(c2)
+    _teach_pool(c2, [1] * 9 + [0])
+    assert c2.choose(["r"], [8]) == [8]
 
 
 def test_a_new_batch_class_starts_from_the_nearest_known_class_slopes():
@@ -96,8 +138,8 @@ def test_a_new_batch_class_starts_from_the_nearest_known_class_slopes():
         costs.observe(8, 8 + i % 9, i % 3, 0.3 + 0.003 * (8 + i % 9) + 0.004 * (i % 3))
     costs.observe(1, 1, 0, 0.06)  # batch 1 is farther from 32 than batch 8 is
     costs.observe(32, 32, 0, 0.44)
-    base, per_row, per_draft = costs.coefficients(32)
-    assert (per_row, per_draft) == pytest.approx(costs.coefficients(8)[1:])
+    base, per_row, per_draft, _ = costs.coefficients(32)
+    assert (per_row, per_draft) == pytest.approx(costs.coefficients(8)[1:3])
     assert (per_row, per_draft) == pytest.approx((0.003, 0.004), rel=0.1)  # not 0.01 a row
     assert base == pytest.approx(0.44, rel=0.01)  # the plain step it measured
 
@@ -131,13 +173,13 @@ def test_a_class_whose_rows_only_the_prior_priced_drafts_every_cap_once_then_pla
 def test_once_a_class_measured_its_rows_the_prior_steps_back():
     # copy at batch 32 (SmolLM2, CPU): seeded with batch 2's 11.7 ms a row, a plain step of
     # 443 ms, then every request drafting 8: 288 rows in 855 ms (1.6 ms a row)
-    m = CostModel(prior_slopes=(0.0117, 0.0))
+    m = CostModel(prior_slopes=(0.0117, 0.0, 0.0))
     m.observe(32, 0, 0.443)
     assert not m.rows_measured
     m.observe(288, 8, 0.855, verified=256 / 32)
-    base, per_row, per_draft = m.coefficients(32)
+    base, per_row, per_draft, per_verify = m.coefficients(32)
     assert m.rows_measured
-    assert per_row * 256 + per_draft * 8 == pytest.approx(0.855 - 0.443, rel=0.15)
+    assert per_row * 256 + per_draft * 8 + per_verify == pytest.approx(0.855 - 0.443, rel=0.15)
     assert base == pytest.approx(0.443, rel=0.1)
 
 

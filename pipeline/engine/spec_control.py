@@ -14,8 +14,9 @@ them (copy at batch 8: 2.2 tokens a verify against 2.7 for fixed k = 4, same row
 
 Drafting j tokens yields `1 + sum_{m<=j} S_m` expected tokens, S_m = p[0] * ... * p[m-1]; the
 m-th draft's marginal gain S_m never grows with m. The engine measures what a step costs
-(`CostModel`: seconds ~ base + per_row * verify rows + per_draft * longest draft, one model per
-batch class, `StepCosts`, since what a row costs depends on the batch), so for each
+(`CostModel`: seconds ~ base + per_row * verify rows + per_draft * longest draft + a fixed cost
+if any draft is verified, one model per batch class, `StepCosts`, since what a row costs
+depends on the batch), so for each
 cap K on the longest draft the best rows are the largest gains; the plan keeps the (K, rows) with
 the most expected retained tokens per second for the whole batch, with every draft's cost counted
 up to `margin` times at batch > 1: a draft is verified only where its expected gain clearly pays,
@@ -133,10 +134,14 @@ def gains(p: list[float], k: int) -> list[float]:
 
 @dataclass
 class CostModel:
-    """Seconds of one decode step ~ base + per_row * rows + per_draft * longest draft, fitted by
-    exponentially weighted least squares over (rows, longest draft) observations. The first
-    observation sets the scale of a prior: the slopes given (`prior_slopes`: per row, per draft),
-    or else a verify row costing a tenth of the base. `rows_measured` once the rows verified
+    """Seconds of one decode step ~ base + per_row * rows + per_draft * longest draft + per_verify
+    if any draft is verified, fitted by exponentially weighted least squares over (rows, longest
+    draft) observations. `per_verify` is the verify path's fixed cost: at batch 1 on CPU a step
+    verifying one draft took 100 ms, one verifying 8 took 120 and a plain decode 60 (SmolLM2, one
+    thread: two rows leave the matrix-vector kernels), so a line through the rows priced a
+    1-draft step at 67 ms and the plan kept verifying 1-3 drafts that did not pay. The first
+    observation sets the scale of a prior: the slopes given (`prior_slopes`: per row, per draft,
+    per verify), or else a verify row costing a tenth of the base and no fixed cost. `rows_measured` once the rows verified
     beyond the batch, counted in batches, weigh as much as one of the prior's points (both decay
     alike): until then what a row costs is the prior's word, since plain steps all have the same
     rows. From then on the prior keeps a tenth of its weight: its points lie far out on the row
@@ -145,12 +150,12 @@ class CostModel:
 
     decay: float = 0.97
     prior_weight: float = 2.0
-    prior_slopes: tuple[float, float] | None = None
-    _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    prior_slopes: tuple[float, float, float] | None = None
+    _xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
+    _xy: np.ndarray = field(default_factory=lambda: np.zeros(4))
     _coef: np.ndarray | None = None
-    _prior_xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))  # the prior's
-    _prior_xy: np.ndarray = field(default_factory=lambda: np.zeros(3))  # share of _xx, _xy
+    _prior_xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))  # the prior's
+    _prior_xy: np.ndarray = field(default_factory=lambda: np.zeros(4))  # share of _xx, _xy
     _prior_left: float = 0.0  # one prior point's weight, decayed like the observations
     _verified: float = 0.0  # decayed verify rows beyond the batch, in batches
 
@@ -158,12 +163,16 @@ class CostModel:
         if self._coef is None:  # the scale: a prior from the first observation
             if self.prior_slopes is None:
                 base = seconds / (1.0 + 0.1 * rows)
-                per_row, per_draft = 0.1 * base, 0.0
+                per_row, per_draft, per_verify = 0.1 * base, 0.0, 0.0
             else:
-                per_row, per_draft = self.prior_slopes
-                base = max(seconds - per_row * rows - per_draft * longest, 0.1 * seconds)
-            for r, k in ((1, 0), (4 * rows + 4, 0), (rows, 4)):
-                self._add(r, k, base + per_row * r + per_draft * k, self.prior_weight)
+                per_row, per_draft, per_verify = self.prior_slopes
+                base = max(seconds - per_row * rows - per_draft * longest
+                           - per_verify * (longest > 0), 0.1 * seconds)
+            # plain steps at two row counts (per row), drafted ones of 1 and 4 (per draft and
+            # the fixed cost apart)
+            for r, k in ((1, 0), (4 * rows + 4, 0), (rows, 4), (rows, 1)):
+                self._add(r, k, base + per_row * r + per_draft * k + per_verify * (k > 0),
+                          self.prior_weight)
             self._prior_xx, self._prior_xy = self._xx.copy(), self._xy.copy()
             self._prior_left = self.prior_weight
         was_measured = self.rows_measured
@@ -185,9 +194,9 @@ class CostModel:
         and the rest refitted (clipping it instead would keep the other slope's share of it:
         at batch 1 rows and the longest draft move together, and a clipped split overprices
         every draft)."""
-        active = [0, 1, 2]
+        active = [0, 1, 2, 3]
         while True:
-            coef = np.zeros(3)
+            coef = np.zeros(4)
             sub = np.ix_(active, active)
             coef[active] = np.linalg.lstsq(self._xx[sub], self._xy[active], rcond=None)[0]
             negative = [i for i in active[1:] if coef[i] < 0]
@@ -198,7 +207,7 @@ class CostModel:
         return coef
 
     def _add(self, rows: int, longest: int, seconds: float, weight: float) -> None:
-        x = np.array([1.0, float(rows), float(longest)])
+        x = np.array([1.0, float(rows), float(longest), float(longest > 0)])
         self._xx += weight * np.outer(x, x)
         self._xy += weight * seconds * x
 
@@ -210,15 +219,12 @@ class CostModel:
     def rows_measured(self) -> bool:
         return self.known and self._verified >= self._prior_left
 
-    def seconds(self, rows: int, longest: int) -> float:
-        base, _, per_draft = self.coefficients(rows)  # `rows` plain rows cost base
-        return base + per_draft * longest
-
-    def coefficients(self, batch: int) -> tuple[float, float, float]:
-        """(seconds of a plain decode of `batch` rows, per extra verify row, per draft step)."""
+    def coefficients(self, batch: int) -> tuple[float, float, float, float]:
+        """(seconds of a plain decode of `batch` rows, per extra verify row, per draft step,
+        a step's fixed cost of verifying any draft)."""
         assert self._coef is not None
-        c0, c1, c2 = (float(c) for c in self._coef)
-        return c0 + c1 * batch, c1, c2
+        c0, c1, c2, c3 = (float(c) for c in self._coef)
+        return c0 + c1 * batch, c1, c2, c3
 
 
 class StepCosts:
@@ -257,7 +263,7 @@ class StepCosts:
         m = self._models.get(batch.bit_length())
         return m is not None and m.rows_measured
 
-    def coefficients(self, batch: int) -> tuple[float, float, float]:
+    def coefficients(self, batch: int) -> tuple[float, float, float, float]:
         return self._models[batch.bit_length()].coefficients(batch)
 
 
@@ -356,11 +362,11 @@ class SpecController:
 
     def _best(self, gains: list[list[float]]) -> list[int]:
         batch = len(gains)
-        base, per_row, per_draft = self.cost.coefficients(batch)
+        base, per_row, per_draft, per_verify = self.cost.coefficients(batch)
         # the margin prices the slowdown a draft imposes on the batch's other requests: none at
         # batch 1, where the request's own rate is exactly what is maximised
         margin = 1.0 + (self.settings.margin - 1.0) * (batch - 1) / batch
-        per_row, per_draft = per_row * margin, per_draft * margin
+        per_row, per_draft, per_verify = per_row * margin, per_draft * margin, per_verify * margin
         # Every candidate draft once, largest gain first (ties: earlier position first); per
         # cap on the longest draft, the rate of every prefix at once: O(batch * max_k) a cap.
         flat = [(-g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs)]
@@ -376,7 +382,7 @@ class SpecController:
             taken = pos < longest
             tokens = batch + np.cumsum(gain[taken])
             rows = np.arange(1, len(tokens) + 1)
-            rate = tokens / (base + per_draft * longest + per_row * rows)
+            rate = tokens / (base + per_verify + per_draft * longest + per_row * rows)
             top = int(np.argmax(rate))
             if rate[top] > best_rate:  # gains per request fall with position: prefixes
                 best = np.bincount(req[taken][:top + 1], minlength=batch).tolist()
