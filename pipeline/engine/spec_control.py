@@ -15,25 +15,24 @@ them (copy at batch 8: 2.2 tokens a verify against 2.7 for fixed k = 4, same row
 Drafting j tokens yields `1 + sum_{m<=j} S_m` expected tokens, S_m = p[0] * ... * p[m-1]; the
 m-th draft's marginal gain S_m never grows with m. The engine measures what a step costs
 (`CostModel`: seconds ~ base + per_row * verify rows + per_draft * longest draft + a fixed cost
-if any draft is verified, one model per batch class, `StepCosts`, since what a row costs
-depends on the batch), so for each
-cap K on the longest draft the best rows are the largest gains; the plan keeps the (K, rows) with
-the most expected retained tokens per second for the whole batch, with every draft's cost counted
-up to `margin` times at batch > 1: a draft is verified only where its expected gain clearly pays,
-since its verify row slows every other request in the batch (the factor grows with the share of
-the batch that is other requests, 1 + (margin - 1) * (b - 1) / b; at batch 1 the request's own
-rate is the whole objective). Every request's tokens count alike: under sustained load a request
-that finishes sooner hands its slot to the next one, and the engine cannot tell a drain from a
-steady state (weighing gains by how close a request is to ending the batch, tried while the
-benchmark ran closed waves, starved copies in a closed loop). A request with no draft verified
-for `probe_every` steps gets one, so text that turns repetitive earns drafts again (only where a
-draft sure to be accepted would pay: never at a batch where no draft can). A batch class whose
-verify rows only its prior priced has every request draft its cap once, to measure them. Each
-probe rejected whole doubles the request's wait for the next (up to `probe_every *
-probe_backoff`), an accepted draft resets it: on chat at batch 8 a fixed interval spent 412
-verify rows on probes that kept 24% (the break-even there is ~40%), while copied text that
-returns is still found within a few dozen steps. A probe the proposer had no draft for waits its
-interval again, so probes come on schedule, with the rest of the request's wave, not alone at
+if any draft is verified, one model per batch class, `StepCosts`, since what a row costs depends
+on the batch), so for each cap K on the longest draft the best rows are the largest gains; the
+plan keeps the (K, rows) with the most expected retained tokens per second for the whole batch,
+with every draft's cost counted up to `margin` times at batch > 1: a draft is verified only where
+its expected gain clearly pays, since its verify row slows every other request in the batch (the
+factor grows with the share of the batch that is other requests, 1 + (margin - 1) * (b - 1) / b;
+at batch 1 the request's own rate is the whole objective). Every request's tokens count alike:
+under sustained load a request that finishes sooner hands its slot to the next one, and the
+engine cannot tell a drain from a steady state (weighing gains by how close a request is to
+ending the batch, tried while the benchmark ran closed waves, starved copies in a closed loop). A
+request with no draft verified for `probe_every` steps gets one, so text that turns repetitive
+earns drafts again (only where a draft sure to be accepted would pay: never at a batch where no
+draft can). A batch class whose verify rows only its prior priced has every request draft its cap
+once, to measure them. Each probe rejected whole doubles the request's wait for the next (up to
+`probe_every * probe_backoff`), an accepted draft resets it: on chat at batch 8 a fixed interval
+spent 412 verify rows on probes that kept 24% (the break-even there is ~40%), while copied text
+that returns is still found within a few dozen steps. A probe the proposer had no draft for waits
+its interval again, so probes come on schedule, with the rest of the request's wave, not alone at
 each stray match. Each step costs O(batch * max_k * log) here, whatever the output lengths.
 
 A proposer that scores its drafts (`Proposal.confidence`: the chance drafts 0..j are all
@@ -134,19 +133,20 @@ def gains(p: list[float], k: int) -> list[float]:
 
 @dataclass
 class CostModel:
-    """Seconds of one decode step ~ base + per_row * rows + per_draft * longest draft + per_verify
-    if any draft is verified, fitted by exponentially weighted least squares over (rows, longest
-    draft) observations. `per_verify` is the verify path's fixed cost: at batch 1 on CPU a step
-    verifying one draft took 100 ms, one verifying 8 took 120 and a plain decode 60 (SmolLM2, one
-    thread: two rows leave the matrix-vector kernels), so a line through the rows priced a
-    1-draft step at 67 ms and the plan kept verifying 1-3 drafts that did not pay. The first
-    observation sets the scale of a prior: the slopes given (`prior_slopes`: per row, per draft,
-    per verify), or else a verify row costing a tenth of the base and no fixed cost. `rows_measured` once the rows verified
-    beyond the batch, counted in batches, weigh as much as one of the prior's points (both decay
-    alike): until then what a row costs is the prior's word, since plain steps all have the same
-    rows. From then on the prior keeps a tenth of its weight: its points lie far out on the row
-    axis (1 and 4 x batch + 4 rows), and at full weight they outweighed a measured step of 288
-    rows at batch 32 (11.7 ms a row from batch 2's slope stayed 10.4 ms where the step said 1.6)."""
+    """Seconds of one decode step ~ base + per_row * rows + per_draft * longest draft +
+    per_verify if any draft is verified, fitted by exponentially weighted least squares over
+    (rows, longest draft) observations. `per_verify` is the verify path's fixed cost: at batch 1
+    on CPU a step verifying one draft took 100 ms, one verifying 8 took 120 and a plain decode 60
+    (SmolLM2, one thread: two rows leave the matrix-vector kernels), so a line through the rows
+    priced a 1-draft step at 67 ms and the plan kept verifying 1-3 drafts that did not pay. The
+    first observation sets the scale of a prior: the slopes given (`prior_slopes`: per row, per
+    draft, per verify), or else a verify row costing a tenth of the base and no fixed cost.
+    `rows_measured` once the rows verified beyond the batch, counted in batches, weigh as much as
+    one of the prior's points (both decay alike): until then what a row costs is the prior's
+    word, since plain steps all have the same rows. From then on the prior keeps a tenth of its
+    weight: its points lie far out on the row axis (1 and 4 x batch + 4 rows), and at full weight
+    they outweighed a measured step of 288 rows at batch 32 (11.7 ms a row from batch 2's slope
+    stayed 10.4 ms where the step said 1.6)."""
 
     decay: float = 0.97
     prior_weight: float = 2.0
@@ -376,6 +376,7 @@ class SpecController:
         gain, pos, req = -cand[:, 0], cand[:, 1].astype(int), cand[:, 2].astype(int)
         best, best_rate = [0] * batch, batch / base
         # a scored draft's row: its own cost and, on average, its share of the longest draft's
+        # (the step's fixed cost of verifying is in the plan's rate, not charged to each row)
         row_cost = per_row + per_draft / batch
         self.floor = best_rate * row_cost  # updated below with the chosen plan's rate
         for longest in range(1, int(pos.max()) + 2):
