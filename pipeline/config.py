@@ -61,7 +61,7 @@ class EngineConfig:
     step_timeout_s: float = 30.0
     step_timeout_floor_s: float = 5.0
     step_timeout_p99_multiple: float = 10.0
-    ngram_min_n: int = 1
+    ngram_min_n: int = 3  # shorter matches rarely pay (configs/smollm2-cpu.yaml)
     ngram_max_n: int = 4
     # draft: suffix (pipeline.draft.suffix): drafts up to num_speculative_tokens long, cut where
     # the continuation's frequency score drops below suffix_min_score or past

@@ -111,7 +111,7 @@ def test_sampled_drafts_carry_their_distribution_q(pair):
 
 @pytest.mark.parametrize("kind", ["ngram", "model", "none"])
 def test_draft_step_applies_release_new_and_commits_in_order(kind):
-    config = load_config("configs/tiny.yaml", {"draft": kind, "num_slots": 2})
+    config = load_config("configs/tiny.yaml", {"draft": kind, "num_slots": 2, "ngram_min_n": 1})
     proposer = build_proposer(config)
     plan = StepPlan(step=0, new=[NewRequest("a", [5, 6, 5], GREEDY)])
     assert draft_step(proposer, plan).tokens == []
@@ -125,3 +125,15 @@ def test_draft_step_applies_release_new_and_commits_in_order(kind):
     draft_step(proposer, plan)  # a's slot is free again before b and c take two
     if kind == "model":  # b and c hold both slots
         assert proposer.runner.num_free() == 0
+
+
+@pytest.mark.parametrize("path", [None, "configs/smollm2-cpu.yaml"])
+def test_the_default_ngram_drafter_drafts_only_after_a_match_of_three_tokens(path):
+    """Shorter matches are left out by default: on the copy workload 8 drafts after a 1-token
+    match kept 0.65 tokens, after a 3-token match 4.6 (configs/smollm2-cpu.yaml)."""
+    proposer = build_proposer(load_config(path, {"draft": "ngram"}))
+    text = [7, 1, 2, 3, 8, 9, 4, 2, 3]  # "2 3" recurs, "1 2 3" does not yet
+    proposer.add("r", text, GREEDY)
+    assert proposer.propose(["r"], [4]).tokens == [[]]
+    proposer.commit("r", [9, 1, 2, 3])  # now "1 2 3" recurs: it was followed by 8 9 4 2
+    assert proposer.propose(["r"], [4]).tokens == [[8, 9, 4, 2]]
