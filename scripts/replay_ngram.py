@@ -80,8 +80,10 @@ def oracle(pairs: list[tuple[list[int], list[int]]], k: int, max_n: int,
     tokens = time = 0.0
     for prompt, out in pairs:
         n = len(out)
-        kept = [(len(d), accepted(d, out, j)) for j in range(n)
-                for d in [propose_ngram(np.array(prompt + out[:j]), k, 1, max_n)]]
+        kept = []  # per position: (drafts proposed, drafts kept)
+        for j in range(n):
+            drafts = propose_ngram(np.array(prompt + out[:j]), k, 1, max_n)
+            kept.append((len(drafts), accepted(drafts, out, j)))
         best = [0.0] * (n + 1)  # best[j]: least time from position j to the end
         for j in range(n - 1, -1, -1):
             drafted, keep = kept[j]
