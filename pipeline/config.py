@@ -42,9 +42,7 @@ class EngineConfig:
     spec_cost_decay: float = 0.97  # per-step decay of the step-cost model's past observations
     spec_prior_weight: float = 2.0  # observations the pooled acceptance counts as per request
     spec_pool_alpha: float = 0.05  # weight of the newest request-step in the pooled EMA
-    # > 1: at batch b a draft must gain 1 + (margin - 1) (b - 1) / b x its cost (a hedge; the
-    # plan's rate already counts every request of the batch)
-    spec_margin: float = 1.0
+    spec_margin: float = 1.5  # at batch b > 1 a draft must gain 1 + 0.5 (b - 1) / b x its cost
     tensor_parallel_size: int = 1
     num_slots: int = 8
     max_model_len: int = 2048

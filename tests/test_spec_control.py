@@ -438,20 +438,18 @@ def test_a_request_whose_scored_drafts_fail_needs_more_confidence_than_one_whose
 def test_the_margin_drops_drafts_that_pay_only_a_little():
     # b = 8 at 61.5 tokens/s plain: a draft pays from 0.615 expected tokens (one row, 0.01 s);
     # with margin 1.5 (1 + 0.5 * 7/8 at batch 8) it must bring 0.88. r0's first draft is always
-    # accepted, r1's 3 times in 4, the others' never. The default (no margin: the plan's rate
-    # already counts the batch) verifies every draft that pays.
+    # accepted, r1's 3 times in 4, the others' never.
     rids = [f"r{i}" for i in range(8)]
     ks = {}
-    for margin in (None, 1.5):
-        c = SpecController(SpecSettings("adaptive", 1)) if margin is None \
-            else controller(margin=margin, max_k=1)
+    for margin in (1.0, 1.5):
+        c = controller(margin=margin, max_k=1)
         trained(c, base=0.05, per_row=0.01)
         c.choose(rids, [1] * 8)
         for t in range(40):
             c.observe(rids, [1] * 8, [2, 1 if t % 4 == 0 else 2] + [1] * 6, None)
         assert 0.7 < c.estimate("r1")[0] < 0.9 and c.estimate("r0")[0] > 0.95
         ks[margin] = c.choose(rids, [1] * 8)
-    assert ks[None] == [1, 1] + [0] * 6
+    assert ks[1.0] == [1, 1] + [0] * 6
     assert ks[1.5] == [1, 0] + [0] * 6
 
 

@@ -17,13 +17,11 @@ m-th draft's marginal gain S_m never grows with m. The engine measures what a st
 (`CostModel`: seconds ~ base + per_row * verify rows + per_draft * longest draft + a fixed cost
 if any draft is verified, one model per batch class, `StepCosts`, since what a row costs depends
 on the batch), so for each cap K on the longest draft the best rows are the largest gains; the
-plan keeps the (K, rows) with the most expected retained tokens per second for the whole batch.
-That rate already charges a draft's row to every request it slows, so by default a draft is
-verified wherever its expected gain pays (`margin` 1). A margin above 1 counts every draft's cost
-up to `margin` times at batch > 1 (the factor grows with the share of the batch that is other
-requests, 1 + (margin - 1) * (b - 1) / b; none at batch 1): a hedge set at 1.5 while 1-token
-n-gram matches drafted text that was rarely kept; with 3-token matches it held copy at batch 32
-to one or two drafts a request where fixed k = 4 ran 9% faster. Every request's tokens count alike:
+plan keeps the (K, rows) with the most expected retained tokens per second for the whole batch,
+with every draft's cost counted up to `margin` times at batch > 1: a draft is verified only where
+its expected gain clearly pays, since its verify row slows every other request in the batch (the
+factor grows with the share of the batch that is other requests, 1 + (margin - 1) * (b - 1) / b;
+at batch 1 the request's own rate is the whole objective). Every request's tokens count alike:
 under sustained load a request that finishes sooner hands its slot to the next one, and the
 engine cannot tell a drain from a steady state (weighing gains by how close a request is to
 ending the batch, tried while the benchmark ran closed waves, starved copies in a closed loop). A
@@ -74,7 +72,7 @@ class SpecSettings:
     cost_decay: float = 0.97  # per-step decay of the cost model's past observations
     prior_weight: float = 2.0  # observations the pooled estimate counts as in a request's own
     pool_alpha: float = 0.05  # weight of the newest request-step in the engine-wide EMA
-    margin: float = 1.0  # > 1: at a large batch a draft's gain must beat its cost by this factor
+    margin: float = 1.5  # at a large batch a draft's gain must beat its cost by this factor
 
 
 @dataclass
@@ -365,8 +363,8 @@ class SpecController:
     def _best(self, gains: list[list[float]]) -> list[int]:
         batch = len(gains)
         base, per_row, per_draft, per_verify = self.cost.coefficients(batch)
-        # a margin > 1 hedges the cost of drafts at batch > 1 (the rate below already counts the
-        # batch's other requests); none at batch 1, where the request's own rate is the objective
+        # the margin prices the slowdown a draft imposes on the batch's other requests: none at
+        # batch 1, where the request's own rate is exactly what is maximised
         margin = 1.0 + (self.settings.margin - 1.0) * (batch - 1) / batch
         per_row, per_draft, per_verify = per_row * margin, per_draft * margin, per_verify * margin
         # Every candidate draft once, largest gain first (ties: earlier position first); per
