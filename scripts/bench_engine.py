@@ -21,7 +21,7 @@ then drain at a smaller batch: 1.28 tokens a verify, only 8% fewer steps); a ser
 sustained load runs busy. One-wave cells (b = requests) have no busy window. Every mode runs
 the same requests of a cell, the
 modes interleaved repetition by repetition in a rotated order (`--reps`, >= 3 for numbers worth
-quoting); a cell reports the median of its repetitions and their spread. CPU time is
+quoting; `--reps-b1` for the batch-1 cells, whose segments are short); a cell reports the median of its repetitions and their spread. CPU time is
 this process's (every thread) in-process, and the Ray processes' (the driver's descendants:
 raylet, GCS, actors) for the Ray row, labelled with the cores Ray was given. Greedy outputs of
 every engine run are compared with an independent reference (target-only, one request at a time,
@@ -707,6 +707,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=["none", "adaptive", "k2", "k4", "k8"],
                    choices=MODES)
     p.add_argument("--reps", type=int, default=3, help="repetitions per cell (median, spread)")
+    p.add_argument("--reps-b1", type=int, default=None,
+                   help="repetitions of the batch-1 cells (default --reps): their segments are "
+                        "short, so their medians need more of them (adaptive and k8 make the "
+                        "same decisions there and still ran 0.87-0.99 apart per repetition)")
     p.add_argument("--requests", type=int, default=16,
                    help="requests per repetition at batch b > 1: max(b, this), b in flight")
     p.add_argument("--warm", nargs="*", default=[], metavar="WORKLOAD:N",
@@ -732,6 +736,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="bench-out")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
+    if args.reps_b1 is None:
+        args.reps_b1 = args.reps
+    if args.reps < 1 or args.reps_b1 < 1:
+        p.error("--reps and --reps-b1 must be at least 1")
     args.plan_batches = {}
     for item in args.plan:
         name, _, batches = item.rpartition(":")
@@ -793,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
             if batch == 1 and hf_model is not None:
                 modes += [("hf", "hf"), ("hf", "hf-pld")]
             reps: dict[tuple[str, str], list[list[Segment]]] = {m: [] for m in modes}
-            for rep in range(args.reps):
+            for rep in range(args.reps_b1 if batch == 1 else args.reps):
                 # Modes interleaved, the order rotated per repetition: machine
                 # noise and cache warmth hit every mode alike.
                 order = modes[rep % len(modes):] + modes[:rep % len(modes)]

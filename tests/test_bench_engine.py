@@ -22,19 +22,22 @@ def _bench_module():
 def test_bench_runs_every_mode_interleaved_and_checks_outputs_and_statistics(tmp_path):
     bench = _bench_module()
     rc = bench.main(["--model", "tiny:0", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
-                     "--plan", "copy:1,2", "--max-tokens", "6", "--reps", "2", "--requests", "4",
+                     "--plan", "copy:1,2", "--max-tokens", "6", "--reps", "2", "--reps-b1", "3",
+                     "--requests", "4",
                      "--warm", "copy:2",
                      "--no-hf", "--no-plots", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0
     assert report["greedy_equals_reference"] is True and report["num_reference_mismatches"] == 0
-    # per mode and repetition: 1 request at batch 1, 4 at batch 2 (2 in flight, closed loop)
-    assert report["stats_identity_holds"] is True and report["requests_checked"] == 5 * 2 * 5
+    # per mode: 1 request in each of 3 batch-1 repetitions, 4 in each of 2 at batch 2 (2 in
+    # flight, closed loop)
+    assert report["stats_identity_holds"] is True and report["requests_checked"] == 5 * (3 + 2 * 4)
     assert isinstance(report["meta"]["dirty"], bool) and report["meta"]["commit"]
     runs = {(r["mode"], r["batch"]) for r in report["runs"]}
     assert runs == {(m, b) for m in ("none", "adaptive", "k2", "k4", "k8") for b in (1, 2)}
     for r in report["runs"]:
-        assert len(r["rep_tokens_per_s"]) == 2 and r["spread"] is not None
+        assert len(r["rep_tokens_per_s"]) == (3 if r["batch"] == 1 else 2)
+        assert r["spread"] is not None
         assert r["output_tokens"] > 0 and r["tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0
         assert set(r["breakdown_ms"]) >= {"draft_forward", "verify_forward", "output", "other"}
     cell = report["targets"]["copy/b2"]
