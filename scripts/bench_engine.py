@@ -19,12 +19,12 @@ batch full; `busy_window`): a drain measures how evenly requests end, not what a
 requests yields (at mix batch 8 adaptive finishes the copy requests early and the chat requests
 then drain at a smaller batch: 1.28 tokens a verify, only 8% fewer steps); a server under
 sustained load runs busy. One-wave cells (b = requests) have no busy window. Every mode runs
-the same requests of a cell, the
-modes interleaved repetition by repetition in a rotated order (`--reps`, >= 3 for numbers worth
-quoting; `--reps-b1` for the batch-1 cells, whose segments are short); a cell reports the median of its repetitions and their spread. CPU time is
-this process's (every thread) in-process, and the Ray processes' (the driver's descendants:
-raylet, GCS, actors) for the Ray row, labelled with the cores Ray was given. Greedy outputs of
-every engine run are compared with an independent reference (target-only, one request at a time,
+the same requests of a cell, the modes interleaved repetition by repetition in a rotated order
+(`--reps`, >= 3 for numbers worth quoting; `--reps-b1` for the batch-1 cells, whose segments are
+short); a cell reports the median of its repetitions and their spread. CPU time is this
+process's (every thread) in-process, and the Ray processes' (the driver's descendants: raylet,
+GCS, actors) for the Ray row, labelled with the cores Ray was given. Greedy outputs of every
+engine run are compared with an independent reference (target-only, one request at a time,
 one token per forward, in-process: `reference_outputs` below, sharing no code with the engine
 loop), and every request's statistics must satisfy completion = 1 + verify_ct + accepted.
 
