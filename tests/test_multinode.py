@@ -143,8 +143,15 @@ def cluster() -> Iterator[Cluster]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def run_driver(cluster: Cluster, trace_dir: str) -> dict:
-    (raylet_b,) = cluster.pids(cluster.procs["b"], "raylet")
+    # A raylet's child can briefly carry its name (forked, not yet exec'd): take the root one.
+    found = cluster.pids(cluster.procs["b"], "raylet")
+    (raylet_b,) = [pid for pid in found if parent_pid(pid) not in found]
     env = ray_cli_env()
     driver = subprocess.Popen([sys.executable, DRIVER, cluster.address, trace_dir,
                                str(raylet_b)], env=env, cwd=ROOT, stdin=subprocess.PIPE,
