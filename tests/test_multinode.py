@@ -100,8 +100,9 @@ class Cluster:
 
     @staticmethod
     def pids(proc: subprocess.Popen, comm: str) -> list[int]:
-        """Processes of this node's session (its process group) named `comm`."""
-        found = []
+        """Processes of this node's session (its process group) named `comm`, leaving out any
+        whose parent has the name too: a child forked and not yet exec'd carries its name."""
+        parents: dict[int, int] = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -109,9 +110,11 @@ class Cluster:
                 if os.getpgid(int(entry)) != proc.pid:
                     continue
                 with open(f"/proc/{entry}/comm") as f:
-                    if f.read().strip() == comm:
-                        found.append(int(entry))
-        return found
+                    if f.read().strip() != comm:
+                        continue
+                with open(f"/proc/{entry}/stat") as f:  # the ppid follows "(comm) state"
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        return [pid for pid, ppid in parents.items() if ppid not in parents]
 
     def stop(self) -> None:
         for proc in reversed(self.started):
@@ -143,15 +146,8 @@ def cluster() -> Iterator[Cluster]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def parent_pid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
 def run_driver(cluster: Cluster, trace_dir: str) -> dict:
-    # A raylet's child can briefly carry its name (forked, not yet exec'd): take the root one.
-    found = cluster.pids(cluster.procs["b"], "raylet")
-    (raylet_b,) = [pid for pid in found if parent_pid(pid) not in found]
+    (raylet_b,) = cluster.pids(cluster.procs["b"], "raylet")
     env = ray_cli_env()
     driver = subprocess.Popen([sys.executable, DRIVER, cluster.address, trace_dir,
                                str(raylet_b)], env=env, cwd=ROOT, stdin=subprocess.PIPE,
