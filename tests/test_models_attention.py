@@ -11,6 +11,8 @@ import flash_wheel
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipeline.models.runner as runner_mod
 from pipeline.models import attention
@@ -203,7 +205,9 @@ def _naive_attention(q, k_cache, v_cache, slots, starts, q_lens, scale):
 @pytest.mark.parametrize(("q_lens", "queries"), [
     ([1, 1, 1], [(3, 2, 3, 8)]),                      # decodes: [B, KH, G, D]
     ([3, 1, 2], [(3, 2, 9, 8)]),                      # verify: [B, KH, T*G, D]
-    ([1, 5, 1], [(3, 2, 15, 8)]),
+    ([3, 2, 1], [(3, 2, 9, 8)]),                      # splitting would save 3 rows: one call
+    ([1, 5, 1], [(2, 2, 3, 8), (1, 2, 15, 8)]),       # a long draft: decodes apart, unpadded
+    ([1, 9, 2], [(2, 2, 6, 8), (1, 2, 27, 8)]),
     ([18, 1, 2], [(2, 2, 6, 8), (1, 6, 18, 8)]),      # a prompt: its own call, [B, H, T, D]
     ([18, 20, 1], [(1, 2, 3, 8), (3, 6, 20, 8)]),     # slots 2, 0: rows 0..2 of the cache
     ([18, 20, 17], [(3, 6, 20, 8)]),                  # prompts only: one call
@@ -235,3 +239,41 @@ def test_sdpa_runs_fold_gqa_and_match_per_token_attention(q_lens, queries, monke
     want = _naive_attention(q, k_cache, v_cache, slots, starts, q_lens, scale)
     assert torch.allclose(got, want, atol=1e-5)
     assert shapes == queries
+
+
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=12))
+def test_split_runs_partitions_the_runs_and_only_saves_padding(q_lens):
+    """Groups cover every run once, in order inside a group; a split keeps prompts apart from
+    decode/verify runs, and otherwise pads at least SPLIT_MIN_ROWS rows (and half) less."""
+    parts = attention.split_runs(q_lens)
+    if parts is None:
+        return
+    assert len(parts) == 2 and all(parts) and all(p == sorted(p) for p in parts)
+    assert sorted(parts[0] + parts[1]) == list(range(len(q_lens)))
+    long = [q > attention.FOLD_MAX_T for q in q_lens]
+    if any(long):
+        assert [long[i] for i in parts[1]] == [True] * len(parts[1]) and not any(
+            long[i] for i in parts[0])
+        return
+    padded = len(q_lens) * max(q_lens)
+    split = sum(len(p) * max(q_lens[i] for i in p) for p in parts)
+    assert padded - split >= max(attention.SPLIT_MIN_ROWS, padded / 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=5, max_size=5), st.permutations(range(6)))
+def test_ragged_verify_batches_match_per_token_attention(q_lens, order):
+    """Decode and verify runs of any lengths, in any slots, split or not: the same attention."""
+    gen = torch.Generator().manual_seed(sum(q_lens))
+    h, kh, d, capacity, scale = 6, 2, 8, 32, 0.3
+    slots, starts = list(order[:5]), [3, 0, 7, 12, 1]
+    k_cache = torch.randn(6, capacity, kh, d, generator=gen)
+    v_cache = torch.randn(6, capacity, kh, d, generator=gen)
+    meta = build_metadata("sdpa", slots, starts, q_lens, capacity, "cpu")
+    n = sum(q_lens)
+    q = torch.randn(n, h, d, generator=gen)
+    write_kv(k_cache, v_cache, torch.randn(n, kh, d, generator=gen),
+             torch.randn(n, kh, d, generator=gen), meta)
+    got = attend(q, k_cache, v_cache, meta, scale)
+    want = _naive_attention(q, k_cache, v_cache, slots, starts, q_lens, scale)
+    assert torch.allclose(got, want, atol=1e-5)
