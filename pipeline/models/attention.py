@@ -10,7 +10,8 @@ that into everything the kernels need, once per forward (not per layer).
   run's tokens into the query axis so one matmul per KV head serves all its query heads; a
   decode of equal lengths needs no mask. A forward that mixes prompts (runs over FOLD_MAX_T)
   with decode/verify runs attends each group on its own (`AttnMetadata.groups`), so the
-  engine can prefill in the decode step's forward without padding decodes to a prompt.
+  engine can prefill in the decode step's forward without padding decodes to a prompt; so do
+  decode/verify runs of very different lengths (`split_runs`: a long draft next to decodes).
 - "flash": `flash_attn_varlen_func` of vllm-flash-attn 2.6.2 on CUDA, reading the slot
   cache as a paged cache whose page is a whole slot (`block_table = slots[:, None]`; key
   lengths as `cu_seqlens_k`, the cumulative slot lengths: that release has no `seqused_k`).
