@@ -176,7 +176,7 @@ def split_runs(q_lens: list[int]) -> list[list[int]] | None:
     to seven decodes cost as much attention as eight 9-token runs (SmolLM2, CPU, 300 cached
     tokens: 47 ms a forward against 22 for eight decodes; split, the forward took 0.89-0.90x,
     and four 9-token runs among 32 0.85x). Splits that saved 33-44% of the rows measured
-    0.98-1.04x, within the noise: the second call costs about what they save. Two groups at
+    0.95-1.04x, within the noise: the second call costs about what they save. Two groups at
     most per call; each group is split again the same way."""
     b = len(q_lens)
     long = [i for i in range(b) if q_lens[i] > FOLD_MAX_T]
