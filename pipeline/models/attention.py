@@ -183,12 +183,14 @@ def split_runs(q_lens: list[int]) -> list[list[int]] | None:
     if long:
         return [[i for i in range(b) if q_lens[i] <= FOLD_MAX_T], long] if len(long) < b else None
     order = sorted(range(b), key=lambda i: q_lens[i])
-    padded = b * q_lens[order[-1]]
+    longest = q_lens[order[-1]]
+    padded = b * longest
     best, cut = padded - max(SPLIT_MIN_ROWS, padded / 2), None
-    for j in range(1, b):
-        lo, hi = q_lens[order[j - 1]], q_lens[order[j]]
-        if lo < hi and j * lo + (b - j) * q_lens[order[-1]] <= best:
-            best, cut = j * lo + (b - j) * q_lens[order[-1]], j
+    for j in range(1, b):  # the j shortest runs apart, padded to the j-th's length
+        lo = q_lens[order[j - 1]]
+        rows = j * lo + (b - j) * longest
+        if lo < q_lens[order[j]] and rows <= best:
+            best, cut = rows, j
     return None if cut is None else [sorted(order[:cut]), sorted(order[cut:])]
 
 
