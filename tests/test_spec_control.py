@@ -310,13 +310,20 @@ def test_a_new_request_starts_from_the_pooled_acceptance_of_earlier_requests():
     trained(copy, base=0.05, per_row=0.01)
     for _ in range(10):
         copy.observe(["a"], [4], [5], None)  # earlier requests: everything accepted
-    assert copy.pooled() == pytest.approx([0.916667, 0.986111, 0.997685, 0.999614], abs=1e-6)
+    # ten observations, each step's fading by 1 - pool_alpha: n = 1 + 0.95 + ... + 0.95^9
+    n = sum(0.95 ** j for j in range(10))
+    expected, before = [], 0.0
+    for _ in range(4):  # the prior carried: max(0.5, the position before)
+        before = (2 * max(0.5, before) + n * 1.0) / (2 + n)
+        expected.append(before)
+    assert copy.pooled() == pytest.approx(expected, abs=1e-9)
+    assert expected[0] == pytest.approx(0.9003, abs=1e-4)
     assert copy.choose(["new"], [4]) == [4]  # a long k from its very first step
     chat = controller()
     trained(chat, base=0.05, per_row=0.01)
     for _ in range(10):
         chat.observe(["a"], [4], [1], None)  # earlier requests: nothing accepted
-    assert chat.pooled() == pytest.approx([1 / 12, 0.5, 0.5, 0.5])
+    assert chat.pooled() == pytest.approx([2 * 0.5 / (2 + n), 0.5, 0.5, 0.5])  # ~0.10
     assert chat.choose(["new"], [4]) == [0]
 
 
@@ -533,3 +540,32 @@ def test_a_probe_kept_whole_does_not_start_a_run():
     assert c.choose(["chat"], [4])[0] < 4
     c.observe(["chat"], [1], [2], None)  # a planned draft kept whole: now a run
     assert c.estimate("chat")[0] > 0.5
+
+
+def test_the_pools_forget_positions_nobody_drafted_lately():
+    # Copies fill the pools with ~1.0 at every position; chat requests then rarely reach a deep
+    # position or a run, so unfaded those ~1.0 would stand for ever and a chat request entering
+    # a run would draft the copies' length. Faded each step, evidence not renewed falls back
+    # towards the carried prior; evidence renewed each step keeps its weight.
+    c = controller(max_k=8)
+    trained(c, base=0.05, per_row=0.01)
+    for i in range(30):  # copies: every draft kept, in a run after the first step
+        c.choose([f"copy{i}"], [8])
+        for _ in range(5):
+            c.observe([f"copy{i}"], [8], [9], None)
+        c.forget(f"copy{i}")
+    # in-run: renewed every step (n ~ 1 / pool_alpha = 20); cold: a copy's first step only
+    assert min(c.pooled(run=True)) > 0.9 and min(c.pooled()) > 0.8
+    for i in range(200):  # chat: a first draft kept half the time, never two in a row
+        c.choose([f"chat{i}"], [8])
+        c.observe([f"chat{i}"], [2], [1 + i % 2], None)
+        c.forget(f"chat{i}")
+    cold, hot = c.pooled(), c.pooled(run=True)
+    assert cold[0] == pytest.approx(0.5, abs=0.05)  # renewed every step: the chat rate
+    assert cold[1] < 0.1  # renewed: the second draft never kept
+    assert hot == pytest.approx([0.5] * 8, abs=0.01)  # no run for 200 steps: the prior again
+    # a step's fade applies once, whatever the batch
+    d = controller(max_k=2)
+    d.observe(["a", "b", "c"], [1, 1, 1], [2, 2, 2], None)
+    d.observe(["a"], [0], [1], None)
+    assert d.pool.seen == pytest.approx([3 * 0.95, 0.0])

@@ -6,6 +6,9 @@ estimate of recent requests (an engine-wide EMA over every request's outcomes); 
 observations take over as they accumulate (a Beta-style blend: the pool counts as
 `prior_weight` observations). In the pool, a position nobody has drafted yet is taken to be no
 worse than the one before it, so after copied text a new request drafts long from its first step.
+The pools' evidence fades each step (by 1 - `pool_alpha`), so a position nobody has drafted lately
+falls back to that carried prior too: chat requests rarely reach a deep position or a run, and
+the ~1.0 that copies left there would otherwise have them draft 4-8 tokens that keep 30%.
 Each request keeps two such estimates, by the outcome of its last verified draft: accepted whole
 (inside a run: copied text goes on) or not (at a run's edge, or never in one); a probe (below)
 kept whole counts for the first estimate but does not start a run. Acceptance is
@@ -71,7 +74,8 @@ class SpecSettings:
     probe_backoff: int = 8  # a rejected probe doubles the wait, up to probe_every * this
     cost_decay: float = 0.97  # per-step decay of the cost model's past observations
     prior_weight: float = 2.0  # observations the pooled estimate counts as in a request's own
-    pool_alpha: float = 0.05  # weight of the newest request-step in the engine-wide EMA
+    pool_alpha: float = 0.05  # weight of the newest request-step in the engine-wide EMA, and
+    # the per-step fade of its evidence
     margin: float = 1.5  # at a large batch a draft's gain must beat its cost by this factor
 
 
@@ -82,7 +86,7 @@ class Acceptance:
     unlearned; `seen` counts the observations. `idle`: steps in a row without a verified draft."""
 
     mean: list[float]
-    seen: list[int]
+    seen: list[float]  # a pool's fade with time (`fade`); a request's are plain counts
     idle: int = 0
     probe_wait: int = 0  # steps without a verified draft before the next probe
     run: bool = False  # the last verified draft was accepted whole (see `SpecController`)
@@ -100,6 +104,13 @@ class Acceptance:
             self.seen[i] += 1
             weight = max(alpha, 1.0 / self.seen[i])
             self.mean[i] += weight * ((1.0 if i < accepted else 0.0) - self.mean[i])
+
+    def fade(self, factor: float) -> None:
+        """Older observations count less in `estimate` (the pools, once a step): a position not
+        drafted lately falls back towards its carried prior. Without it the in-run pool and the
+        deep positions learned on copies kept their ~1.0 through later chat cells (chat reaches
+        them rarely), and chat requests drafted 4-8 tokens that kept 30% of them."""
+        self.seen = [n * factor for n in self.seen]
 
     def calibrate(self, expected: float, accepted: int, decay: float) -> None:
         self.accepted = decay * self.accepted + accepted
@@ -398,6 +409,9 @@ class SpecController:
         confidence the verified drafts had (their sum; None: not scored). A request finished
         meanwhile still teaches the pool but gets no state back (it would never be forgotten)."""
         s = self.settings
+        if rids:
+            self.pool.fade(1.0 - s.pool_alpha)
+            self.hot_pool.fade(1.0 - s.pool_alpha)
         for i, (rid, d, n) in enumerate(zip(rids, drafted, num_tokens)):
             own = self._acc.get(rid)
             if own is not None:  # steps without a verified draft, whoever decided it; a probe
