@@ -19,9 +19,10 @@ batch full; `busy_window`): a drain measures how evenly requests end, not what a
 requests yields (at mix batch 8 adaptive finishes the copy requests early and the chat requests
 then drain at a smaller batch: 1.28 tokens a verify, only 8% fewer steps); a server under
 sustained load runs busy. One-wave cells (b = requests) have no busy window. Every mode runs
-the same requests of a cell, the modes interleaved repetition by repetition in a rotated order
-(`--reps`, >= 3 for numbers worth quoting; `--reps-b1` for the batch-1 cells, whose segments are
-short); a cell reports the median of its repetitions and their spread. CPU time is this
+the same requests of a cell, the modes interleaved repetition by repetition in a rotated order,
+at batch 1 request by request (`interleaved_parts`; `--reps`, >= 3 for numbers worth quoting;
+`--reps-b1` for the batch-1 cells, whose segments are short); a cell reports the median of its
+repetitions and their spread. CPU time is this
 process's (every thread) in-process, and the Ray processes' (the driver's descendants: raylet,
 GCS, actors) for the Ray row, labelled with the cores Ray was given. Greedy outputs of every
 engine run are compared with an independent reference (target-only, one request at a time,
@@ -627,6 +628,15 @@ def hf_agreement(results: list[RunResult],
     return out
 
 
+def interleaved_parts(load: list[Request], batch: int) -> list[list[Request]]:
+    """A repetition's requests in the parts the modes take turns on. At batch 1 each request is
+    its own turn: the requests run one after another anyway, and this VM's speed drifts within
+    a wave (copy b1: adaptive and k8 made the same decisions and ran 0.88-1.36 apart per
+    4-request repetition), so modes a request apart are better paired than modes a wave apart. A
+    batch b > 1 closed loop cannot be cut without changing what it measures: one turn."""
+    return [[r] for r in load] if batch == 1 else [load]
+
+
 def paired(a: RunResult, b: RunResult, busy: bool = False) -> float:
     """Median over repetitions of a's rate over b's in the same repetition (adjacent in time);
     `busy`: the rates over the busy window."""
@@ -802,17 +812,18 @@ def main(argv: list[str] | None = None) -> int:
                 modes += [("hf", "hf"), ("hf", "hf-pld")]
             reps: dict[tuple[str, str], list[list[Segment]]] = {m: [] for m in modes}
             for rep in range(args.reps_b1 if batch == 1 else args.reps):
-                # Modes interleaved, the order rotated per repetition: machine
-                # noise and cache warmth hit every mode alike.
-                order = modes[rep % len(modes):] + modes[:rep % len(modes)]
                 for m in modes:
                     reps[m].append([])
                 load = requests_for(w, batch, rep)
-                for engine, mode in order:
-                    reps[(engine, mode)][-1].append(
-                        bench.run_wave(mode, load, params, batch) if engine == "local"
-                        else hf_wave(hf_model, mode, load, args.max_tokens, args.hf_k,
-                                     config.ngram_max_n, eos))
+                for turn, part in enumerate(interleaved_parts(load, batch), rep * len(load)):
+                    # Modes interleaved, the order rotated each turn: machine noise and cache
+                    # warmth hit every mode alike.
+                    order = modes[turn % len(modes):] + modes[:turn % len(modes)]
+                    for engine, mode in order:
+                        reps[(engine, mode)][-1].append(
+                            bench.run_wave(mode, part, params, batch) if engine == "local"
+                            else hf_wave(hf_model, mode, part, args.max_tokens, args.hf_k,
+                                         config.ngram_max_n, eos))
             for (engine, mode), rs in reps.items():
                 res = merge(engine, mode, w, batch, rs)
                 results.append(res)

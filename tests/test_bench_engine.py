@@ -49,6 +49,39 @@ def test_bench_runs_every_mode_interleaved_and_checks_outputs_and_statistics(tmp
     assert cell["busy: adaptive_vs_none_paired"] > 0
 
 
+def test_batch_1_modes_take_turns_request_by_request(tmp_path, monkeypatch):
+    bench = _bench_module()
+    calls = []
+    run_wave = bench.LocalBench.run_wave
+
+    def spy(self, mode, wave, params, batch=None):
+        calls.append((mode, [r.rid for r in wave], batch))
+        return run_wave(self, mode, wave, params, batch)
+
+    monkeypatch.setattr(bench.LocalBench, "run_wave", spy)
+    modes = ["none", "adaptive", "k4"]
+    rc = bench.main(["--model", "tiny:0", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
+                     "--plan", "copy:1,2", "--modes", *modes, "--max-tokens", "4",
+                     "--reps", "1", "--reps-b1", "2", "--requests-b1", "2", "--requests", "4",
+                     "--no-hf", "--no-plots", "--out", str(tmp_path)])
+    assert rc == 0
+    timed = calls[len(modes):]  # after each mode's warm-up wave
+    b1, b2 = timed[:4 * len(modes)], timed[4 * len(modes):]
+    # batch 1: 2 repetitions x 2 requests = 4 turns, each of one request served by every mode,
+    # the first mode of a turn rotating
+    for turn in range(4):
+        group = b1[turn * len(modes):(turn + 1) * len(modes)]
+        assert [m for m, _, _ in group] == modes[turn % 3:] + modes[:turn % 3]
+        assert len({tuple(rids) for _, rids, _ in group}) == 1 and len(group[0][1]) == 1
+    assert len({tuple(rids) for _, rids, _ in b1}) == 4
+    # batch 2: one turn of the whole closed loop per repetition
+    assert [(m, len(rids), b) for m, rids, b in b2] == [(m, 4, 2) for m in modes]
+    report = json.loads((tmp_path / "results.json").read_text())
+    for r in report["runs"]:  # a repetition's rate is over both its turns
+        assert len(r["rep_tokens_per_s"]) == (2 if r["batch"] == 1 else 1)
+        assert r["requests"] == 4
+
+
 def test_the_busy_window_ends_at_the_last_submission():
     bench = _bench_module()
     trace = bench.Trace
