@@ -814,8 +814,8 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.reps_b1 if batch == 1 else args.reps):
                 for m in modes:
                     reps[m].append([])
-                load = requests_for(w, batch, rep)
-                for turn, part in enumerate(interleaved_parts(load, batch), rep * len(load)):
+                parts = interleaved_parts(requests_for(w, batch, rep), batch)
+                for turn, part in enumerate(parts, rep * len(parts)):
                     # Modes interleaved, the order rotated each turn: machine noise and cache
                     # warmth hit every mode alike.
                     order = modes[turn % len(modes):] + modes[:turn % len(modes)]

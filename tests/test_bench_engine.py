@@ -62,7 +62,7 @@ def test_batch_1_modes_take_turns_request_by_request(tmp_path, monkeypatch):
     modes = ["none", "adaptive", "k4"]
     rc = bench.main(["--model", "tiny:0", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
                      "--plan", "copy:1,2", "--modes", *modes, "--max-tokens", "4",
-                     "--reps", "1", "--reps-b1", "2", "--requests-b1", "2", "--requests", "4",
+                     "--reps", "2", "--reps-b1", "2", "--requests-b1", "2", "--requests", "3",
                      "--no-hf", "--no-plots", "--out", str(tmp_path)])
     assert rc == 0
     timed = calls[len(modes):]  # after each mode's warm-up wave
@@ -74,12 +74,13 @@ def test_batch_1_modes_take_turns_request_by_request(tmp_path, monkeypatch):
         assert [m for m, _, _ in group] == modes[turn % 3:] + modes[:turn % 3]
         assert len({tuple(rids) for _, rids, _ in group}) == 1 and len(group[0][1]) == 1
     assert len({tuple(rids) for _, rids, _ in b1}) == 4
-    # batch 2: one turn of the whole closed loop per repetition
-    assert [(m, len(rids), b) for m, rids, b in b2] == [(m, 4, 2) for m in modes]
+    # batch 2: one turn of the whole closed loop per repetition, rotated per repetition
+    assert [(m, len(rids), b) for m, rids, b in b2] == [
+        (m, 3, 2) for m in modes + modes[1:] + modes[:1]]
     report = json.loads((tmp_path / "results.json").read_text())
-    for r in report["runs"]:  # a repetition's rate is over both its turns
-        assert len(r["rep_tokens_per_s"]) == (2 if r["batch"] == 1 else 1)
-        assert r["requests"] == 4
+    for r in report["runs"]:  # a batch-1 repetition's rate is over both its turns
+        assert len(r["rep_tokens_per_s"]) == 2
+        assert r["requests"] == (4 if r["batch"] == 1 else 6)
 
 
 def test_the_busy_window_ends_at_the_last_submission():
