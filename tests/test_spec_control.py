@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.config import load_config
 from pipeline.engine.spec_control import (
@@ -14,6 +16,7 @@ from pipeline.engine.spec_control import (
     SpecSettings,
     StepCosts,
     gains,
+    spare,
 )
 
 
@@ -564,8 +567,72 @@ def test_the_pools_forget_positions_nobody_drafted_lately():
     assert cold[0] == pytest.approx(0.5, abs=0.05)  # renewed every step: the chat rate
     assert cold[1] < 0.1  # renewed: the second draft never kept
     assert hot == pytest.approx([0.5] * 8, abs=0.01)  # no run for 200 steps: the prior again
-    # a step's fade applies once, whatever the batch
+    # a step's fade applies once, whatever the batch, and only in a step that verified a draft
     d = controller(max_k=2)
     d.observe(["a", "b", "c"], [1, 1, 1], [2, 2, 2], None)
     d.observe(["a"], [0], [1], None)
-    assert d.pool.seen == pytest.approx([3 * 0.95, 0.0])
+    assert d.pool.seen == pytest.approx([3.0, 0.0])
+    d.observe(["a", "b"], [0, 1], [1, 1], None)
+    assert d.pool.seen == pytest.approx([3 * 0.95 + 1, 0.0])
+
+
+def test_plain_steps_between_copies_leave_the_pools_as_they_were():
+    # Mix at batch 1: a chat request decodes ~60 plain steps between two copies. Those steps
+    # verify nothing and say nothing about any position; faded per step, the copies' in-run
+    # evidence fell back to the prior and the next copy started its runs short.
+    c = controller(max_k=8)
+    trained(c, base=0.05, per_row=0.01)
+    c.choose(["copy"], [8])
+    for _ in range(20):
+        c.observe(["copy"], [8], [9], None)
+    c.forget("copy")
+    before = c.pooled(run=True)
+    assert min(before) > 0.9
+    c.choose(["chat"], [8])
+    for _ in range(60):
+        c.observe(["chat"], [0], [1], None)
+    assert c.pooled(run=True) == pytest.approx(before)
+
+
+def test_in_a_drain_a_request_sure_to_finish_before_another_drafts_nothing():
+    # A wave of a copy and a chat request at batch 2, nothing waiting: the chat decodes a token
+    # a step, so the wave lasts its 64 steps whatever the copy does; the copy's drafts would
+    # only slow those steps.
+    def state() -> SpecController:
+        c = controller()
+        trained(c, base=0.05, per_row=0.002)
+        c.choose(["copy", "chat"], [4, 4])
+        for _ in range(10):
+            c.observe(["copy", "chat"], [4, 1], [5, 1], None)
+        return c
+
+    assert state().choose(["copy", "chat"], [4, 4])[0] == 4  # requests may still arrive
+    assert state().choose(["copy", "chat"], [4, 4], remaining=[64, 64])[0] == 0
+    # a copy with more left than the chat can end the wave later: it drafts
+    assert state().choose(["copy", "chat"], [4, 4], remaining=[200, 64])[0] == 4
+    # a spared request does not probe; the request that ends the wave does
+    c = state()
+    for _ in range(8):
+        c.observe(["copy", "chat"], [0, 0], [1, 1], None)
+    assert c.choose(["copy", "chat"], [4, 4], remaining=[20, 64]) == [0, 1]
+    # alone, a request always sets the batch's end
+    assert state().choose(["copy"], [4], remaining=[3])[0] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.floats(0.0, 1.0), min_size=4, max_size=4),
+                          st.integers(0, 4), st.integers(1, 100)), min_size=1, max_size=12))
+def test_sparing_never_lengthens_the_batch_and_spares_every_request_it_can(reqs):
+    ps, ks, remaining = zip(*reqs)
+    gs = [gains(p, 4) for p in ps]
+    spared = spare(gs, list(ks), list(remaining))
+
+    def steps(i: int, k: int) -> float:
+        return remaining[i] / (1.0 + sum(gs[i][:k]))
+
+    planned = [steps(i, k) for i, k in enumerate(ks)]
+    after = [steps(i, 0) if sp else planned[i] for i, sp in enumerate(spared)]
+    assert max(after) == pytest.approx(max(planned))  # the batch's expected end stays
+    for i, sp in enumerate(spared):
+        others = max((planned[j] for j in range(len(ks)) if j != i), default=0.0)
+        assert sp == (remaining[i] <= others)  # exactly those done by another's end

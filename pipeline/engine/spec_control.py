@@ -6,9 +6,13 @@ estimate of recent requests (an engine-wide EMA over every request's outcomes); 
 observations take over as they accumulate (a Beta-style blend: the pool counts as
 `prior_weight` observations). In the pool, a position nobody has drafted yet is taken to be no
 worse than the one before it, so after copied text a new request drafts long from its first step.
-The pools' evidence fades each step (by 1 - `pool_alpha`), so a position nobody has drafted lately
-falls back to that carried prior too: chat requests rarely reach a deep position or a run, and
-the ~1.0 that copies left there would otherwise have them draft 4-8 tokens that keep 30%.
+The pools' evidence fades each step that verifies a draft (by 1 - `pool_alpha`), so a position
+nobody has drafted lately falls back to that carried prior too: chat requests rarely reach a deep
+position or a run, and the ~1.0 that copies left there would otherwise have them draft 4-8 tokens
+that keep 30%. A step with no draft verified says nothing about any position and leaves the pools
+as they are: at batch 1 a chat request between two copies decodes ~60 plain steps, and a fade per
+step had the next copy start its runs from the prior (mix at batch 1: 1,509 steps against 1,486
+for fixed k = 8, the same steps as k = 8 with no fade).
 Each request keeps two such estimates, by the outcome of its last verified draft: accepted whole
 (inside a run: copied text goes on) or not (at a run's edge, or never in one); a probe (below)
 kept whole counts for the first estimate but does not start a run. Acceptance is
@@ -25,9 +29,12 @@ with every draft's cost counted up to `margin` times at batch > 1: a draft is ve
 its expected gain clearly pays, since its verify row slows every other request in the batch (the
 factor grows with the share of the batch that is other requests, 1 + (margin - 1) * (b - 1) / b;
 at batch 1 the request's own rate is the whole objective). Every request's tokens count alike:
-under sustained load a request that finishes sooner hands its slot to the next one, and the
-engine cannot tell a drain from a steady state (weighing gains by how close a request is to
-ending the batch, tried while the benchmark ran closed waves, starved copies in a closed loop). A
+under sustained load a request that finishes sooner hands its slot to the next one, and a server
+cannot tell a drain from a lull between arrivals (weighing gains by how close a request is to
+ending the batch, tried while the benchmark ran closed waves, starved copies in a closed loop).
+A batch job can: it marks its last request, and once that one is admitted and nothing waits the
+batch drains. Then only the batch's end matters, and a request sure to finish before it drafts
+nothing (`spare`). A
 request with no draft verified for `probe_every` steps gets one, so text that turns repetitive
 earns drafts again (only where a draft sure to be accepted would pay: never at a batch where no
 draft can). A batch class whose verify rows only its prior priced has every request draft its cap
@@ -106,8 +113,8 @@ class Acceptance:
             self.mean[i] += weight * ((1.0 if i < accepted else 0.0) - self.mean[i])
 
     def fade(self, factor: float) -> None:
-        """Older observations count less in `estimate` (the pools, once a step): a position not
-        drafted lately falls back towards its carried prior. Without it the in-run pool and the
+        """Older observations count less in `estimate` (the pools, once a step that verified a
+        draft): a position not drafted lately falls back towards its carried prior. Without it the in-run pool and the
         deep positions learned on copies kept their ~1.0 through later chat cells (chat reaches
         them rarely), and chat requests drafted 4-8 tokens that kept 30% of them."""
         self.seen = [n * factor for n in self.seen]
@@ -131,6 +138,22 @@ class Acceptance:
             before = (prior_weight * p + n * mean) / (prior_weight + n)
             out.append(before)
         return out
+
+
+def spare(gains: list[list[float]], ks: list[int], remaining: list[int]) -> list[bool]:
+    """In a drain, which requests draft nothing: those that would finish with no draft at all
+    no later than some other request finishes at the planned pace (remaining tokens over
+    1 + the planned drafts' gains, a step's expected tokens). Nothing waits for their slots,
+    and their drafts cannot end the batch sooner, while every verify row slows the steps of
+    the request that does end it: in a wave of copies and chats at batch 32, every mode ran 64
+    steps (the chats' length) and drafting the copies only made each step slower (adaptive
+    0.94x target-only). Ties spare both: the batch ends when the later of the two does."""
+    if len(ks) < 2:
+        return [False] * len(ks)
+    steps = [r / (1.0 + sum(g[:k])) for g, k, r in zip(gains, ks, remaining)]
+    order = sorted(range(len(steps)), key=lambda i: -steps[i])
+    first, second = steps[order[0]], steps[order[1]]
+    return [r <= (second if i == order[0] else first) for i, r in enumerate(remaining)]
 
 
 def gains(p: list[float], k: int) -> list[float]:
@@ -294,24 +317,31 @@ class SpecController:
         self._probing: set[str] = set()  # this step's probes
         self._exploring = False  # this step verifies every draft: its class's rows are unmeasured
 
-    def choose(self, rids: list[str], caps: list[int],
-               pinned: list[bool] | None = None) -> list[int]:
+    def choose(self, rids: list[str], caps: list[int], pinned: list[bool] | None = None,
+               remaining: list[int] | None = None) -> list[int]:
         """k per request, each at most its cap (room left under the length limits). A pinned
         request always gets its cap: a seeded sampled request's random stream is keyed by the
         output position a step starts at, so a k that follows measured timings would make its
-        output irreproducible (the distribution would still be right)."""
+        output irreproducible (the distribution would still be right). `remaining`: given in a
+        drain (the client's last request admitted, none waiting), the most tokens each request
+        may still produce (see `spare`)."""
         s = self.settings
         caps = [max(0, min(s.max_k, c)) for c in caps]
         if s.mode == "fixed" or not rids:
             return caps
         accs = [self._state(r) for r in rids]
         self._probing.clear()
+        spared = [False] * len(rids)
         if not self.cost.known(len(rids)):  # nothing measured at this batch: a plain step
             ks = [0] * len(rids)
             self.floor = math.inf
         else:
             pooled = (self.pooled(), self.pooled(run=True))  # once a step, not per request
-            ks = self._best([gains(self._estimate(r, *pooled), c) for r, c in zip(rids, caps)])
+            gs = [gains(self._estimate(r, *pooled), c) for r, c in zip(rids, caps)]
+            ks = self._best(gs)
+            if remaining is not None:
+                spared = spare(gs, ks, remaining)
+                ks = [0 if sp else k for k, sp in zip(ks, spared)]
         # A class whose verify rows only its prior priced (seeded from another batch size, or
         # a tenth of the base) measures them first: every request drafts its cap, so the fit
         # sees many rows at once (copy at batch 32 seeded from the warm-up's batch 2 priced a
@@ -322,7 +352,7 @@ class SpecController:
         for i, (a, cap) in enumerate(zip(accs, caps)):
             if (pinned is not None and pinned[i]) or self._exploring:
                 ks[i] = cap
-            elif cap > 0 and a.idle >= a.probe_wait and self.floor <= 1.0:
+            elif cap > 0 and a.idle >= a.probe_wait and self.floor <= 1.0 and not spared[i]:
                 # a probe only where a draft sure to be accepted would pay for its row (a scored
                 # request may have had k > 0 and still no draft past its floor)
                 ks[i] = max(ks[i], 1)
@@ -409,7 +439,7 @@ class SpecController:
         confidence the verified drafts had (their sum; None: not scored). A request finished
         meanwhile still teaches the pool but gets no state back (it would never be forgotten)."""
         s = self.settings
-        if rids:
+        if any(d > 0 for d in drafted):  # time counted in steps that verified a draft
             self.pool.fade(1.0 - s.pool_alpha)
             self.hot_pool.fade(1.0 - s.pool_alpha)
         for i, (rid, d, n) in enumerate(zip(rids, drafted, num_tokens)):
