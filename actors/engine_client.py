@@ -41,10 +41,11 @@ class EngineClient:
         self.handle = handle
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       traceparent: str | None = None,
-                       group: str | None = None) -> AsyncIterator[RequestOutput]:
-        """`group`: the client request this choice belongs to (fair admission)."""
-        gen = self.handle.generate.remote(rid, prompt_ids, params, traceparent, group)
+                       traceparent: str | None = None, group: str | None = None,
+                       last: bool = False) -> AsyncIterator[RequestOutput]:
+        """`group`: the client request this choice belongs to (fair admission); `last`: a batch
+        job's final request (the batch drains after it)."""
+        gen = self.handle.generate.remote(rid, prompt_ids, params, traceparent, group, last)
         finished = False
         try:
             async for ref in gen:

@@ -109,14 +109,15 @@ def parse_line(index: int, line: str, tokenizer: TokenizerAdapter, max_model_len
     return Item(index, item_id, ids, params)
 
 
-async def run_one(engine: Any, item: Item, rid: str) -> dict[str, Any]:
-    """Generate one item, retrying while the engine's queue is full."""
+async def run_one(engine: Any, item: Item, rid: str, last: bool = False) -> dict[str, Any]:
+    """Generate one item, retrying while the engine's queue is full. `last`: the job's final
+    prompt, so the engine knows its batch drains once it is admitted."""
     assert item.prompt_ids is not None and item.params is not None
     choice = ChoiceState(index=0)
     delay = 0.05
     while True:
         try:
-            async for out in engine.generate(rid, item.prompt_ids, item.params):
+            async for out in engine.generate(rid, item.prompt_ids, item.params, last=last):
                 choice.add(out)
             break
         except EngineOverloadedError:
@@ -135,6 +136,7 @@ async def generate_all(engine: Any, items: list[Item], concurrency: int,
     results: dict[int, dict[str, Any]] = {}
     sem = asyncio.Semaphore(concurrency)
     run_id = f"batch-{os.getpid()}-{int(time.time())}"
+    last = max((it.index for it in items if it.error is None), default=-1)
 
     async def one(item: Item) -> None:
         if item.error is not None:
@@ -142,7 +144,8 @@ async def generate_all(engine: Any, items: list[Item], concurrency: int,
         else:
             async with sem:
                 try:
-                    res = await run_one(engine, item, f"{run_id}-{item.index}")
+                    res = await run_one(engine, item, f"{run_id}-{item.index}",
+                                        item.index == last)
                 except Exception as e:  # noqa: BLE001 - one failed prompt must not stop the job
                     res = {"id": item.id, "index": item.index,
                            "error": f"{type(e).__name__}: {e}"}

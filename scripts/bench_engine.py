@@ -267,8 +267,9 @@ async def closed_loop(requests: list[Request], batch: int,
 async def run_local_wave(core: Any, wave: list[Request], params: Any,
                          batch: int) -> list[Trace]:
     core.start()
+    # a closed wave is a batch job: its last request tells the engine the batch drains after it
     traces = await closed_loop(wave, batch, lambda r: stream_one(
-        lambda: core.add_request(r.rid, r.ids, params), r.rid))
+        lambda: core.add_request(r.rid, r.ids, params, last=r is wave[-1]), r.rid))
     # Let the release-only plan free the slots before the next wave reuses the runner.
     for _ in range(1000):
         if not core.scheduler.has_work:
@@ -529,7 +530,8 @@ def run_ray(bench: LocalBench, config: Any, mode: str, workload: str, batches: l
 
     async def go(tag: str, wave: list[Request], batch: int) -> list[Trace]:
         return await closed_loop(wave, batch, lambda r: stream_one(
-            lambda: client.generate(f"{tag}-{r.rid}", r.ids, params), r.rid))
+            lambda: client.generate(f"{tag}-{r.rid}", r.ids, params, last=r is wave[-1]),
+            r.rid))
 
     try:
         asyncio.run(go("warm", requests_for(workload, 1, 0)[:1], 1))  # first forwards, actor paths

@@ -3,11 +3,13 @@ and a bad one is that line's error (validated like the HTTP API), without Ray.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
 
 from serve_helpers import ROOT
+from server_fakes import FakeEngine
 
 from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.models.runners import tiny_tokenizer
@@ -37,3 +39,15 @@ def test_guided_regex_and_response_format_lines_carry_a_grammar():
 def test_a_bad_regex_is_the_lines_error_naming_the_parameter():
     item = parse({"prompt": "a", "guided_regex": "[unclosed"})
     assert item.params is None and item.error.startswith("guided_regex:")
+
+
+def test_the_jobs_final_prompt_tells_the_engine_its_batch_drains():
+    engine = FakeEngine()
+    items = [parse({"prompt": "a"}), parse({"prompt": "b"}),
+             parse({"prompt": "c", "guided_regex": "[unclosed"})]  # a line that cannot run
+    for i, item in enumerate(items):
+        item.index = i
+    _, rows = asyncio.run(batch_generate.generate_all(engine, items, concurrency=1,
+                                                      progress_every=60))
+    assert [r["error"] is None for r in rows] == [True, True, False]
+    assert [rid.rsplit("-", 1)[1] for rid in engine.lasts] == ["1"]  # the last that runs

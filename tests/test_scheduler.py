@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.spec_control import SpecController, SpecSettings
 from pipeline.engine.step_plan import StepOutcome
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
@@ -191,3 +192,51 @@ def test_admission_invariants(events, num_slots, reserve):
             assert lone == []
     for order in started.values():
         assert order == sorted(order)
+
+
+class SpyController(SpecController):
+    """Records what the scheduler tells the controller about a drain."""
+
+    def __init__(self) -> None:
+        super().__init__(SpecSettings("fixed", 4))
+        self.remaining: list[list[int] | None] = []
+
+    def choose(self, rids, caps, pinned=None, remaining=None):
+        self.remaining.append(remaining)
+        return super().choose(rids, caps, pinned, remaining)
+
+
+def test_a_batch_drains_once_its_last_request_is_admitted_and_prefilled():
+    spy = SpyController()
+    s = Scheduler(2, 3, 64, 4, vocab_size=100, spec=spy)
+    p = SamplingParams(max_new_tokens=10)
+    add(s, "a", [1], p)
+    add(s, "b", [1], p)
+    s.enqueue(s.prepare("c", [1], p), last=True)  # the batch job's final request
+    s.apply(outcome(s.schedule(), {"a": [5], "b": [5]}))  # a, b prefill; c waits
+    s.apply(outcome(s.schedule(), {"a": [5, 5], "b": [5]}))
+    assert spy.remaining[-1] is None  # c still waits: its slot is wanted
+    s.finish("b")
+    plan = s.schedule()  # c admitted in b's slot: prefills this step
+    assert plan.decode == ["a"] and spy.remaining[-1] is None
+    s.apply(outcome(plan, {"a": [5], "c": [5]}))
+    plan = s.schedule()  # nothing waits or will come, all decode: a drain
+    assert plan.decode == ["a", "c"] and spy.remaining[-1] == [6, 9]
+    # a request arriving at an idle engine starts a new batch, open until its last one
+    s.finish("a")
+    s.finish("c")
+    s.schedule()  # releases
+    assert not s.has_work
+    add(s, "d", [1], p)
+    s.apply(outcome(s.schedule(), {"d": [5]}))
+    s.schedule()
+    assert spy.remaining[-1] is None
+
+
+def test_a_server_never_drains():
+    spy = SpyController()
+    s = Scheduler(2, 3, 64, 4, vocab_size=100, spec=spy)
+    add(s, "a", [1], SamplingParams(max_new_tokens=10))
+    s.apply(outcome(s.schedule(), {"a": [5]}))
+    s.schedule()
+    assert spy.remaining == [None, None]  # nothing waits, but more may come

@@ -128,11 +128,12 @@ class EngineCore:
 
     # --- requests ---------------------------------------------------------------------------
     async def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                          traceparent: str | None = None,
-                          group: str | None = None) -> RequestStream:
+                          traceparent: str | None = None, group: str | None = None,
+                          last: bool = False) -> RequestStream:
         """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
         (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then.
-        `group`: the client request it belongs to (fair admission; None: a group of its own)."""
+        `group`: the client request it belongs to (fair admission; None: a group of its own).
+        `last`: a batch job's final request (the batch drains after it; Scheduler.enqueue)."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine is unhealthy: {self.dead_reason}")
         if rid in self._streams:
@@ -150,7 +151,7 @@ class EngineCore:
                 await self.stages.abort(rid)
                 return stream
             was_idle = not self.scheduler.has_work
-            self.scheduler.enqueue(req)  # the queue may have filled during the await
+            self.scheduler.enqueue(req, last)  # the queue may have filled during the await
         except BaseException:
             self._streams.pop(rid, None)
             if registered:

@@ -82,6 +82,9 @@ class Scheduler:
         self._release: list[str] = []
         self._finals: dict[str, list[int]] = {}  # released requests' uncommitted tokens
         self._step = 0
+        # A batch job's last request is queued: once nothing waits, the batch drains (no
+        # request will take a freed slot). Cleared by a request arriving at an idle engine.
+        self._closed = False
 
     # --- requests in and out --------------------------------------------------------------
     def prepare(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -99,9 +102,15 @@ class Scheduler:
                                      min_new_tokens=min(params.min_new_tokens, cap))
         return EngineRequest(rid, list(prompt_ids), params, group=group or rid)
 
-    def enqueue(self, req: EngineRequest) -> EngineRequest:
+    def enqueue(self, req: EngineRequest, last: bool = False) -> EngineRequest:
+        """`last`: the client sends no request after this one (a batch job's final prompt), so
+        the batch drains once it is admitted. Requests of the same batch may still arrive out of
+        order after it; one arriving at an idle engine starts a new batch."""
         self._check_room()
+        if not self.has_work:
+            self._closed = False
         self.waiting.push(req)
+        self._closed = self._closed or last
         return req
 
     def _check_room(self) -> None:
@@ -163,7 +172,11 @@ class Scheduler:
                                       self.max_model_len - req.seq_len)))
         plan.caps = list(plan.ks)
         pinned = [r.params.seed is not None and r.params.temperature > 0 for r in decode]
-        plan.ks = self.spec.choose(plan.decode, plan.ks, pinned)
+        # a drain: nothing waits or will come, every running request is past its prefill
+        drain = (self._closed and not self.waiting and not admitted
+                 and all(r.num_output > 0 for r in self.running.values()))
+        plan.ks = self.spec.choose(plan.decode, plan.ks, pinned,
+                                   [r.remaining for r in decode] if drain else None)
         plan.min_gains = self.spec.min_gains(plan.decode, pinned)
         for req in admitted:
             req.status = Status.RUNNING
