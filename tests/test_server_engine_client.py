@@ -35,6 +35,7 @@ class FakeHandle:
 
     def __init__(self, outputs, error=None):
         self.outputs, self.error, self.aborted, self.groups = outputs, error, [], []
+        self.lasts = []
         self.generate = _Method(self._generate)
         self.abort = _Method(self._abort)
         self.health = _Method(self._dead)
@@ -44,8 +45,9 @@ class FakeHandle:
             raise value
         return value
 
-    async def _generate(self, rid, ids, params, traceparent, group):
+    async def _generate(self, rid, ids, params, traceparent, group, last):
         self.groups.append(group)
+        self.lasts.append(last)
         for out in self.outputs:
             yield self._ref(out)
         if self.error is not None:
@@ -99,11 +101,11 @@ def test_dead_actor_on_health_is_engine_dead_error():
         asyncio.run(EngineClient(FakeHandle([])).health())
 
 
-def test_generate_passes_the_admission_group_to_the_engine():
+def test_generate_passes_the_admission_group_and_a_batchs_last_to_the_engine():
     handle = FakeHandle([RequestOutput("r1", [5], finished=True, finish_reason="length")])
 
-    async def go():
-        return [o async for o in EngineClient(handle).generate("r1", [1], SamplingParams(),
-                                                               group="http-7")]
-    assert [o.token_ids for o in asyncio.run(go())] == [[5]]
-    assert handle.groups == ["http-7"]
+    async def go(**kw):
+        return [o async for o in EngineClient(handle).generate("r1", [1], SamplingParams(), **kw)]
+    assert [o.token_ids for o in asyncio.run(go(group="http-7"))] == [[5]]
+    asyncio.run(go(group="job", last=True))
+    assert handle.groups == ["http-7", "job"] and handle.lasts == [False, True]
