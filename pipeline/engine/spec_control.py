@@ -114,9 +114,10 @@ class Acceptance:
 
     def fade(self, factor: float) -> None:
         """Older observations count less in `estimate` (the pools, once a step that verified a
-        draft): a position not drafted lately falls back towards its carried prior. Without it the in-run pool and the
-        deep positions learned on copies kept their ~1.0 through later chat cells (chat reaches
-        them rarely), and chat requests drafted 4-8 tokens that kept 30% of them."""
+        draft): a position not drafted lately falls back towards its carried prior. Without it
+        the in-run pool and the deep positions learned on copies kept their ~1.0 through later
+        chat cells (chat reaches them rarely), and chat requests drafted 4-8 tokens that kept 30%
+        of them."""
         self.seen = [n * factor for n in self.seen]
 
     def calibrate(self, expected: float, accepted: int, decay: float) -> None:
