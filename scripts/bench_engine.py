@@ -732,7 +732,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests-b1", type=int, default=1,
                    help="requests per batch-1 wave set (batch b > 1 runs b requests)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--k", type=int, default=8,
+    # 16, not the fixed modes' largest 8: a cap costs the adaptive modes nothing where runs are
+    # short (they pick k per step), and inside a copied run it halves the verifies. Copy at batch
+    # 1 on an AVX2-only VM, where a 9-row forward costs 2.3x a 1-row one: 3.06 tokens a verify
+    # and 1.77x target-only, against 2.73 and 1.69x with a cap of 8 (docs/benchmarks.md).
+    p.add_argument("--k", type=int, default=16,
                    help="most drafts per step of the adaptive modes")
     p.add_argument("--hf-k", type=int, default=4, help="drafts per step of HF prompt lookup")
     p.add_argument("--draft-layers", default="auto",
