@@ -2,25 +2,47 @@
 
 from __future__ import annotations
 
+import logging
 import os
+
+from pipeline import file_cache
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(source: str):
     """A transformers fast tokenizer for `source`: a .gguf file or a Hugging Face model folder.
 
-    Never touches a hub: a missing file is a FileNotFoundError naming the path.
+    Never touches a hub: a missing file is a FileNotFoundError naming the path. A GGUF's
+    tokenizer is converted once and then read back from the local cache (pipeline.file_cache).
     """
     from transformers import AutoTokenizer
 
     if not os.path.exists(source):
         raise FileNotFoundError(f"model source not found: {source}")
-    if source.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(
-            os.path.dirname(os.path.abspath(source)),
-            gguf_file=os.path.basename(source),
-            local_files_only=True,
-        )
-    return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    if not source.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    cached = file_cache.entry_path("tokenizer", source, _versions())
+    if cached is not None and os.path.isdir(cached):
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        except (OSError, ValueError) as e:  # a damaged entry: convert as if there were none
+            log.warning("specrelay cache: unreadable tokenizer entry %s (%s)", cached, e)
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.dirname(os.path.abspath(source)),
+        gguf_file=os.path.basename(source),
+        local_files_only=True,
+    )
+    if cached is not None and not os.path.isdir(cached):
+        file_cache.publish(cached, tokenizer.save_pretrained)
+    return tokenizer
+
+
+def _versions() -> list[str]:
+    import tokenizers
+    import transformers
+
+    return [transformers.__version__, tokenizers.__version__]
 
 
 def eos_token_ids(tokenizer) -> list[int]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -18,6 +20,18 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Every process the tests start (Ray workers, CLIs, jobs) shares one cache of what a model load
+# derives (pipeline.file_cache), new each session and removed after it: the session's first
+# SmolLM2 load pays what it costs on a fresh machine, and the user's own cache is not touched.
+_SESSION_CACHE = None
+if "SPECRELAY_CACHE_DIR" not in os.environ:
+    _SESSION_CACHE = os.environ["SPECRELAY_CACHE_DIR"] = tempfile.mkdtemp(prefix="specrelay-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def smollm2_gguf_path() -> str:

@@ -4,7 +4,9 @@ quantized type), Hugging Face folders, and their error messages; `load_runner` s
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 
 import gguf
 import numpy as np
@@ -215,3 +217,74 @@ def test_load_runner_tiny_sources():
         target.allocate()
     with pytest.raises(ValueError, match="tiny:<integer seed>"):
         load_runner("tiny:x")
+
+
+# --- the cache of what a GGUF load derives (pipeline.file_cache) -----------------------------
+
+@pytest.mark.parametrize("arch, qtype", [("llama", Q.Q4_1), ("qwen2", Q.F32)])
+def test_a_second_gguf_load_reads_the_cached_table_and_gets_the_same_weights(
+        tmp_path, monkeypatch, arch, qtype):
+    monkeypatch.setenv("SPECRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    hf = _hf_model(arch, seed=2)
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, hf, arch, qtype)
+    parsed = []
+    real_reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p: parsed.append(p) or real_reader(p))
+
+    first = load_model(str(path), load_tokenizer=False)
+    second = load_model(str(path), load_tokenizer=False)
+    assert len(parsed) == 1  # the second load never parsed the file's metadata
+    assert len(list((tmp_path / "cache" / "gguf-table").iterdir())) == 1
+    assert second.config == first.config
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    runner = ModelRunner(second.model, second.config, 1, 64)
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0]
+    assert (_logits(runner, IDS) - ref).abs().max() < 1e-4
+
+    # a rewritten file (other weights, new mtime) misses the entry instead of reading it
+    _write_gguf(path, _hf_model(arch, seed=3), arch, qtype)
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    third = load_model(str(path), load_tokenizer=False)
+    assert len(parsed) == 2
+    assert not torch.equal(third.model.state_dict()["embed.weight"], a["embed.weight"])
+
+
+def test_gguf_loads_without_a_usable_cache(tmp_path, monkeypatch, caplog):
+    hf = _hf_model("llama", seed=2)
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, hf, "llama", Q.Q8_0)
+    want = load_model(str(path), load_tokenizer=False).model.state_dict()
+
+    def same(loaded) -> bool:
+        got = loaded.model.state_dict()
+        return all(torch.equal(got[k], want[k]) for k in want)
+
+    monkeypatch.setenv("SPECRELAY_CACHE_DIR", "off")
+    assert same(load_model(str(path), load_tokenizer=False))
+    # a folder that cannot be made (a file is in the way): loaded all the same, and said so
+    blocker = tmp_path / "blocked"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECRELAY_CACHE_DIR", str(blocker))
+    with caplog.at_level("WARNING", logger="pipeline.file_cache"):
+        assert same(load_model(str(path), load_tokenizer=False))
+    assert "could not store" in caplog.text
+    # a damaged entry is read past, not trusted
+    monkeypatch.setenv("SPECRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    assert same(load_model(str(path), load_tokenizer=False))
+    (table,) = (tmp_path / "cache" / "gguf-table").glob("*/table.json")
+    table.write_text("{not json")
+    assert same(load_model(str(path), load_tokenizer=False))
+    assert not list((tmp_path / "cache" / "gguf-table").glob(".partial-*"))
+
+
+def test_an_unsupported_gguf_is_never_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRELAY_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "bad.gguf"
+    _write_gguf(path, _hf_model("llama"), "llama", bad_type=Q.IQ2_XXS)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="unsupported quantization type IQ2_XXS"):
+            load_model(str(path), load_tokenizer=False)
+    assert not (tmp_path / "cache").exists()

@@ -85,3 +85,38 @@ def test_smollm2_batched_greedy_equals_single(smollm2, smollm2_tokenizer):
     batched = _greedy(runner, prompts, 10)
     for p, b in zip(prompts, batched):
         assert _greedy(runner, [p], 10)[0] == b
+
+
+def test_the_cached_smollm2_tokenizer_is_the_converted_one(smollm2_path, smollm2_tokenizer,
+                                                           tmp_path, monkeypatch):
+    """The tokenizer read back from the cache (pipeline.file_cache) behaves exactly like the one
+    transformers converts from the GGUF (conftest's, loaded without the cache)."""
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    from pipeline.tokenizer import eos_token_ids, load_tokenizer
+
+    monkeypatch.setenv("SPECRELAY_CACHE_DIR", str(tmp_path))
+    load_tokenizer(smollm2_path)  # converts and stores
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint",
+                        lambda *a, **k: pytest.fail("the GGUF was converted again"))
+    cached = load_tokenizer(smollm2_path)
+    ref = smollm2_tokenizer
+    texts = ["What is the capital of France?", "  two spaces\n\ttab\r\n", "héllo 日本語 🙂 ½",
+             "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x ** 2\n", ""]
+    for text in texts:
+        assert cached(text).input_ids == ref(text).input_ids
+        assert cached(text, add_special_tokens=False).input_ids == \
+            ref(text, add_special_tokens=False).input_ids
+    ids = list(range(0, len(ref), 37)) + [2, 1, 0]
+    assert cached.decode(ids) == ref.decode(ids)
+    assert cached.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    assert cached.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for gen in (True, False):
+        assert cached.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) == \
+            ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    assert len(cached) == len(ref) == 49152
+    assert eos_token_ids(cached) == eos_token_ids(ref)
+    assert cached.all_special_tokens == ref.all_special_tokens
+    assert (cached.bos_token_id, cached.eos_token_id, cached.unk_token_id) == \
+        (ref.bos_token_id, ref.eos_token_id, ref.unk_token_id)

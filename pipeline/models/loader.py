@@ -11,6 +11,7 @@ permuted.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 import pipeline.tokenizer
+from pipeline import file_cache
 from pipeline.models.config import ModelConfig
 from pipeline.models.llama import LlamaModel
 
@@ -224,11 +226,39 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(path)
+    versions = [importlib.metadata.version("gguf"), str(_TABLE_FORMAT)]
+    cached = file_cache.entry_path("gguf-table", path, versions)
+    table = _read_table(cached) if cached is not None else None
+    if table is None:
+        table = gguf_table(gguf.GGUFReader(path), path)
+        if cached is not None:
+            file_cache.publish(cached, lambda folder: _write_table(folder, table))
+    config = ModelConfig(**table["config"])
+    data = np.memmap(path, mode="r")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in table["tensors"]:
+        raw = data[t["offset"]:t["offset"] + t["bytes"]].view(np.dtype(t["dtype"]))
+        w = np.asarray(gguf.quants.dequantize(raw.reshape(t["shape"]),
+                                              gguf.GGMLQuantizationType(t["type"])),
+                       dtype=np.float32)
+        if t["unpermute_heads"]:
+            w = unpermute_rope_rows(w, t["unpermute_heads"])
+        tensors[t["hf"]] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
+    return config, tensors
+
+
+_TABLE_FORMAT = 1  # bump when the table's fields change: older entries then miss
+
+
+def gguf_table(reader: Any, path: str) -> dict[str, Any]:
+    """What loading needs from a GGUF besides the weights' bytes: the model config and, per
+    tensor the model uses, its HF name, type, place in the file and byte shape (as gguf's reader
+    lays it out), and the heads to undo llama.cpp's q/k permutation over (0: none). Validates
+    like a load does, so nothing unsupported is ever cached."""
     config = gguf_config(reader, path)
     arch = _field(reader, "general.architecture")
     supported = _supported_quant_types()
-    tensors: dict[str, torch.Tensor] = {}
+    tensors = []
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             raise ValueError(f"{path}: unsupported GGUF rope_freqs tensor (Llama-3.1 style rope "
@@ -240,10 +270,25 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             raise ValueError(f"{path}: tensor {t.name} has unsupported quantization type "
                              f"{t.tensor_type.name}; supported: "
                              f"{', '.join(sorted(q.name for q in supported))}")
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        heads = 0
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight",
                                                 "attn_q.bias", "attn_k.bias")):
             kv = t.name.endswith(("attn_k.weight", "attn_k.bias"))
-            w = unpermute_rope_rows(w, config.num_kv_heads if kv else config.num_heads)
-        tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
-    return config, tensors
+            heads = config.num_kv_heads if kv else config.num_heads
+        tensors.append({"hf": hf, "type": int(t.tensor_type), "offset": int(t.data_offset),
+                        "bytes": int(t.data.nbytes), "dtype": t.data.dtype.str,
+                        "shape": list(t.data.shape), "unpermute_heads": heads})
+    return {"config": config.to_dict(), "tensors": tensors}
+
+
+def _write_table(folder: str, table: dict[str, Any]) -> None:
+    with open(os.path.join(folder, "table.json"), "w") as f:
+        json.dump(table, f)
+
+
+def _read_table(folder: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(folder, "table.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):  # absent (the usual miss) or damaged: read the GGUF
+        return None
