@@ -35,8 +35,11 @@ CALIBRATE_S = 8.0
 # RSS after the soak may exceed the post-warm-up level by allocator caches and Python heap
 # high-water marks (the warm-up already ran at full concurrency): 10% + 48 MB over ~1 GB of
 # five processes. A per-request leak (KV slots, request state, streams) over thousands of
-# requests exceeds it; so does a leaked KV cache for even one slot set.
-RSS_TOLERANCE = (0.10, 48 << 20)
+# requests exceeds it; so does a leaked KV cache for even one slot set. Since the five processes
+# start at 1.4-1.6 GB, 10% + 48 MB was within a few MB of what a clean run grows: 4b31df0 grew
+# 129 and 172 MB from 1,410-1,424 MB, 7f49f3e 181-214 MB from 1,416-1,592 MB, and a fresh-clone
+# CI failed by 7 MB. 15% + 48 MB keeps a margin of ~30 MB.
+RSS_TOLERANCE = (0.15, 48 << 20)
 # /health must answer within the chart's readiness-probe timeout (probes.readiness.timeoutSeconds)
 # under load; the client threads of this test share the two CPUs with the whole service.
 HEALTH_BOUND_MS = 3000
