@@ -33,17 +33,19 @@ under sustained load a request that finishes sooner hands its slot to the next o
 cannot tell a drain from a lull between arrivals (weighing gains by how close a request is to
 ending the batch, tried while the benchmark ran closed waves, starved copies in a closed loop).
 A batch job can: it marks its last request, and once that one is admitted and nothing waits the
-batch drains. Then only the batch's end matters, and a request sure to finish before it drafts
-nothing (`spare`). A
+batch drains. Then only the batch's end matters (`drain_plan`): a request sure to finish before
+it drafts nothing, and one on the batch's critical path drafts wherever that ends the batch
+sooner. A
 request with no draft verified for `probe_every` steps gets one, so text that turns repetitive
 earns drafts again (only where a draft sure to be accepted would pay: never at a batch where no
-draft can). A batch class whose verify rows only its prior priced has every request draft its cap
-once, to measure them. Each probe rejected whole doubles the request's wait for the next (up to
-`probe_every * probe_backoff`), an accepted draft resets it: on chat at batch 8 a fixed interval
-spent 412 verify rows on probes that kept 24% (the break-even there is ~40%), while copied text
-that returns is still found within a few dozen steps. A probe the proposer had no draft for waits
-its interval again, so probes come on schedule, with the rest of the request's wave, not alone at
-each stray match. Each step costs O(batch * max_k * log) here, whatever the output lengths.
+draft can). A batch class whose verify rows only its prior priced has every request draft up
+to EXPLORE_K (4) once, to measure them. Each probe rejected whole doubles the request's wait for
+the next (up to `probe_every * probe_backoff`), an accepted draft resets it: on chat at batch 8
+a fixed interval spent 412 verify rows on probes that kept 24% (the break-even there is ~40%),
+while copied text that returns is still found within a few dozen steps. A probe the proposer had
+no draft for waits its interval again, so probes come on schedule, with the rest of the request's
+wave, not alone at each stray match. Each step costs O(batch * max_k * log) here (a drain's
+O(batch^2 * max_k^2)), whatever the output lengths.
 
 A proposer that scores its drafts (`Proposal.confidence`: the chance drafts 0..j are all
 accepted, e.g. suffix drafting) knows, per step, which drafts are likely; a per-position average
@@ -69,6 +71,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MODES = ("adaptive", "fixed")
+EXPLORE_K = 4  # drafts per request in a step that measures a batch class's verify rows
 
 
 @dataclass
@@ -141,20 +144,42 @@ class Acceptance:
         return out
 
 
-def spare(gains: list[list[float]], ks: list[int], remaining: list[int]) -> list[bool]:
-    """In a drain, which requests draft nothing: those that would finish with no draft at all
-    no later than some other request finishes at the planned pace (remaining tokens over
-    1 + the planned drafts' gains, a step's expected tokens). Nothing waits for their slots,
-    and their drafts cannot end the batch sooner, while every verify row slows the steps of
-    the request that does end it: in a wave of copies and chats at batch 32, every mode ran 64
-    steps (the chats' length) and drafting the copies only made each step slower (adaptive
-    0.94x target-only). Ties spare both: the batch ends when the later of the two does."""
-    if len(ks) < 2:
-        return [False] * len(ks)
-    steps = [r / (1.0 + sum(g[:k])) for g, k, r in zip(gains, ks, remaining)]
-    order = sorted(range(len(steps)), key=lambda i: -steps[i])
-    first, second = steps[order[0]], steps[order[1]]
-    return [r <= (second if i == order[0] else first) for i, r in enumerate(remaining)]
+def drain_plan(gains: list[list[float]], remaining: list[int],
+               costs: tuple[float, float, float, float], offered: list[float]) -> list[int]:
+    """In a drain, the k per request that brings the batch's expected end soonest. Request i
+    ends after remaining_i / (1 + o_i G_i(k)) steps (G_i(k): its first k drafts' gains; o_i
+    (`offered`): how often its proposer had a draft when asked), the batch after the slowest,
+    each step costing base + per_row * rows + o (per_draft * longest + per_verify) (`costs`, as
+    `CostModel.coefficients`; rows: sum o_i k_i, those verified on average; o: the most likely
+    drafting request's o_i, a step with no draft offered verifies none). At batch 1 with o = 1
+    this is the plan of `SpecController._best` (the request's own rate). Nothing waits for a
+    slot, so a request's tokens count only through the batch's end: for every candidate end S
+    (a request's steps at some k) each request drafts the fewest that end it by S, and the plan
+    keeps the S with the least S x step time. A request that ends by S undrafted drafts
+    nothing: in a wave of copies and chats at batch 32 every mode ran 64 steps (the chats'
+    length), and drafting the copies only made each step slower (adaptive 0.94x target-only).
+    A request on the critical path drafts wherever its gain outweighs its rows' share of the
+    step, far below the break-even of a server's rate: one slow copy's draft shortens the whole
+    batch. Without `offered`, chats that the n-gram proposer rarely had a draft for looked as if
+    drafts would shorten them, and the copies drafted to end with them: mix at batch 32
+    verified 976 drafts in the same 64 steps a wave (0.971x target-only)."""
+    width = max(len(g) for g in gains) + 1
+    # steps[i, k]: request i's expected steps with k drafts; -inf past its cap (never needed)
+    steps = np.full((len(gains), width), -np.inf)
+    for i, (g, r, o) in enumerate(zip(gains, remaining, offered)):
+        steps[i, :len(g) + 1] = r / (1.0 + o * np.concatenate(([0.0], np.cumsum(g))))
+    soonest = max(float(steps[i, len(g)]) for i, g in enumerate(gains))
+    ends = np.unique(steps[steps >= soonest])  # ascending: the earliest feasible end first
+    # steps fall with k, so the drafts a request needs to end by S are its steps above S
+    ks = (steps[None, :, :] > ends[:, None, None]).sum(axis=2)
+    base, per_row, per_draft, per_verify = costs
+    o = np.asarray(offered, dtype=float)
+    rows = ks @ o
+    verifies = np.where(ks > 0, o, 0.0).max(axis=1)
+    time = ends * (base + per_row * rows + verifies * (per_draft * ks.max(axis=1) + per_verify))
+    # ties (a draft that gains nothing) go to the later end, the fewer rows
+    best = len(ends) - 1 - int(np.argmin(time[::-1]))
+    return ks[best].tolist()
 
 
 def gains(p: list[float], k: int) -> list[float]:
@@ -317,6 +342,11 @@ class SpecController:
         self.floor = math.inf  # break-even gain of a verify row (tokens); > 1: no draft pays
         self._probing: set[str] = set()  # this step's probes
         self._exploring = False  # this step verifies every draft: its class's rows are unmeasured
+        # whether the proposer had a draft for a request asked for one: engine-wide, and each
+        # request's own (one position: `mean[0]`)
+        self.offer_pool = Acceptance.empty(1)
+        self._offers: dict[str, Acceptance] = {}
+        self._asked: dict[str, int] = {}  # this step's k > 0
 
     def choose(self, rids: list[str], caps: list[int], pinned: list[bool] | None = None,
                remaining: list[int] | None = None) -> list[int]:
@@ -325,7 +355,7 @@ class SpecController:
         output position a step starts at, so a k that follows measured timings would make its
         output irreproducible (the distribution would still be right). `remaining`: given in a
         drain (the client's last request admitted, none waiting), the most tokens each request
-        may still produce (see `spare`)."""
+        may still produce (see `drain_plan`)."""
         s = self.settings
         caps = [max(0, min(s.max_k, c)) for c in caps]
         if s.mode == "fixed" or not rids:
@@ -341,23 +371,37 @@ class SpecController:
             gs = [gains(self._estimate(r, *pooled), c) for r, c in zip(rids, caps)]
             ks = self._best(gs)
             if remaining is not None:
-                spared = spare(gs, ks, remaining)
-                ks = [0 if sp else k for k, sp in zip(ks, spared)]
+                # In a drain the batch's end is the objective (`drain_plan`); the margin, a
+                # hedge for the other requests' rate under sustained load, does not apply. With
+                # it, and a plan sparing every request that ends before the slowest one, copy
+                # at batch 32 (one wave) planned no draft for its slowest requests, ties spared
+                # every request: 1.10 tokens a verify, 0.93x fixed k = 2.
+                offered = [self.offered(r) for r in rids]
+                ks = drain_plan(gs, remaining, self.cost.coefficients(len(rids)), offered)
+                # a request ending before the batch does, undrafted, gets no probe either; one
+                # that sets the batch's end may (its text may turn repetitive)
+                end = max(r / (1.0 + o * sum(g[:k]))
+                          for g, k, r, o in zip(gs, ks, remaining, offered))
+                spared = [k == 0 and r < end for k, r in zip(ks, remaining)]
         # A class whose verify rows only its prior priced (seeded from another batch size, or
-        # a tenth of the base) measures them first: every request drafts its cap, so the fit
-        # sees many rows at once (copy at batch 32 seeded from the warm-up's batch 2 priced a
-        # row at 12-17 ms where it costs 2-6, ruled out every draft and probe, and plain steps
-        # never corrected it). Bounded: a class is measured once it has verified about
-        # `prior_weight` batches of extra rows, usually in one step.
+        # a tenth of the base) measures them first: every request drafts up to EXPLORE_K, so
+        # the fit sees many rows at once (copy at batch 32 seeded from the warm-up's batch 2
+        # priced a row at 12-17 ms where it costs 2-6, ruled out every draft and probe, and plain
+        # steps never corrected it). Bounded: a class is measured once it has verified about
+        # `prior_weight` batches of extra rows, usually in one step; drafting the whole cap
+        # there (16) made that step 544 rows at batch 32, ~1.3 s of a 19 s wave.
         self._exploring = self.cost.known(len(rids)) and not self.cost.rows_measured(len(rids))
         for i, (a, cap) in enumerate(zip(accs, caps)):
-            if (pinned is not None and pinned[i]) or self._exploring:
+            if pinned is not None and pinned[i]:
                 ks[i] = cap
+            elif self._exploring:
+                ks[i] = min(cap, EXPLORE_K)
             elif cap > 0 and a.idle >= a.probe_wait and self.floor <= 1.0 and not spared[i]:
                 # a probe only where a draft sure to be accepted would pay for its row (a scored
                 # request may have had k > 0 and still no draft past its floor)
                 ks[i] = max(ks[i], 1)
                 self._probing.add(rids[i])
+        self._asked = {r: k for r, k in zip(rids, ks) if k > 0}
         return ks
 
     def min_gains(self, rids: list[str], pinned: list[bool] | None = None) -> list[float]:
@@ -379,6 +423,14 @@ class SpecController:
             calib = self._state(rid).calibration(pool, s.prior_weight)
             out.append(self.floor / max(calib, 1e-3))
         return out
+
+    def offered(self, rid: str) -> float:
+        """How often the proposer had a draft for `rid` when asked: its own record blended with
+        the engine-wide one (`prior_weight`), which starts at 1."""
+        w = self.settings.prior_weight
+        pool = self.offer_pool.estimate([1.0], w)[0]
+        own = self._offers.get(rid)
+        return pool if own is None else own.estimate([pool], w)[0]
 
     def pooled(self, run: bool = False) -> list[float]:
         """The engine-wide estimate per position: where a new request starts (`run`: in a run)."""
@@ -445,6 +497,15 @@ class SpecController:
             self.hot_pool.fade(1.0 - s.pool_alpha)
         for i, (rid, d, n) in enumerate(zip(rids, drafted, num_tokens)):
             own = self._acc.get(rid)
+            if self._asked.get(rid, 0) > 0:
+                self.offer_pool.update(1, int(d > 0), s.pool_alpha)
+                if own is not None:
+                    offers = self._offers.setdefault(rid, Acceptance.empty(1))
+                    offers.update(1, int(d > 0), s.ema_alpha)
+            elif rid in self._offers:  # not asked: its record fades back to the pool's, or a
+                # copy the proposer had nothing for at its start (asked no more, since drafts
+                # cannot shorten it) would never be found copying later
+                self._offers[rid].fade(1.0 - s.ema_alpha)
             if own is not None:  # steps without a verified draft, whoever decided it; a probe
                 # the proposer had nothing for counts as made, else a due request would probe
                 # alone whenever some stray match turned up (chat: a step paying the longest
@@ -478,6 +539,7 @@ class SpecController:
     def forget(self, rid: str) -> None:
         self._acc.pop(rid, None)
         self._hot.pop(rid, None)
+        self._offers.pop(rid, None)
 
     @property
     def tracked(self) -> int:
