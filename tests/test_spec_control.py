@@ -641,13 +641,14 @@ def plan_time(gs: list[list[float]], ks: list[int], remaining: list[int],
 def test_the_drain_plan_ends_the_batch_soonest_of_every_plan(reqs, costs):
     ps, remaining, offered = (list(x) for x in zip(*reqs))
     gs = [gains(p, len(p)) for p in ps]
-    ks = drain_plan(gs, remaining, costs, offered)
+    ks, planned_end = drain_plan(gs, remaining, costs, offered)
     assert all(0 <= k <= len(g) for k, g in zip(ks, gs))
     best = plan_time(gs, ks, remaining, costs, offered)
     for other in itertools.product(*(range(len(g) + 1) for g in gs)):  # every plan
         assert best <= plan_time(gs, list(other), remaining, costs, offered) * (1 + 1e-9)
     # and no request drafts more than it needs to end by the plan's end
     end = max(r / (1.0 + o * sum(g[:k])) for g, k, r, o in zip(gs, ks, remaining, offered))
+    assert planned_end == pytest.approx(end)
     for g, k, r, o in zip(gs, ks, remaining, offered):
         assert k == 0 or r / (1.0 + o * sum(g[:k - 1])) > end * (1 + 1e-12)
 
@@ -693,9 +694,10 @@ def test_in_a_drain_a_request_its_proposer_rarely_has_drafts_for_sets_the_end_un
     # in ten, drafting cannot shorten them, and the copies, sure to finish first, draft nothing
     copy, chat = [1.0, 1.0, 1.0, 1.0], gains([0.6, 0.7, 0.7, 0.7], 4)
     costs = (0.1, 0.003, 0.0, 0.0)  # a row: 3% of a plain step
-    assert drain_plan([copy] * 4 + [chat] * 4, [64] * 8, costs, [1.0] * 8) == [1] * 4 + [2] * 4
-    assert drain_plan([copy] * 4 + [chat] * 4, [64] * 8, costs, [1.0] * 4 + [0.1] * 4) == \
-        [0] * 8
+    ks, _ = drain_plan([copy] * 4 + [chat] * 4, [64] * 8, costs, [1.0] * 8)
+    assert ks == [1] * 4 + [2] * 4
+    ks, end = drain_plan([copy] * 4 + [chat] * 4, [64] * 8, costs, [1.0] * 4 + [0.1] * 4)
+    assert (ks, end) == ([0] * 8, 64.0)
 
 
 def test_the_controller_learns_how_often_a_proposer_has_a_draft():

@@ -145,8 +145,10 @@ class Acceptance:
 
 
 def drain_plan(gains: list[list[float]], remaining: list[int],
-               costs: tuple[float, float, float, float], offered: list[float]) -> list[int]:
-    """In a drain, the k per request that brings the batch's expected end soonest. Request i
+               costs: tuple[float, float, float, float],
+               offered: list[float]) -> tuple[list[int], float]:
+    """In a drain, the k per request that brings the batch's expected end soonest, and that end
+    (in steps). Request i
     ends after remaining_i / (1 + o_i G_i(k)) steps (G_i(k): its first k drafts' gains; o_i
     (`offered`): how often its proposer had a draft when asked), the batch after the slowest,
     each step costing base + per_row * rows + o (per_draft * longest + per_verify) (`costs`, as
@@ -188,7 +190,7 @@ def drain_plan(gains: list[list[float]], remaining: list[int],
     time = ends * (base + per_row * rows + verifies * (per_draft * longest + per_verify))
     # ties (a draft that gains nothing) go to the later end, the fewer rows
     end = ends[len(ends) - 1 - int(np.argmin(time[::-1]))]
-    return (steps > end).sum(axis=1).tolist()
+    return (steps > end).sum(axis=1).tolist(), float(end)
 
 
 def gains(p: list[float], k: int) -> list[float]:
@@ -378,7 +380,7 @@ class SpecController:
         else:
             pooled = (self.pooled(), self.pooled(run=True))  # once a step, not per request
             gs = [gains(self._estimate(r, *pooled), c) for r, c in zip(rids, caps)]
-            ks = self._best(gs)
+            ks = self._best(gs)  # also in a drain: it sets the floor (probes, min_gains)
             if remaining is not None:
                 # In a drain the batch's end is the objective (`drain_plan`); the margin, a
                 # hedge for the other requests' rate under sustained load, does not apply. With
@@ -386,11 +388,9 @@ class SpecController:
                 # at batch 32 (one wave) planned no draft for its slowest requests, ties spared
                 # every request: 1.10 tokens a verify, 0.93x fixed k = 2.
                 offered = [self.offered(r) for r in rids]
-                ks = drain_plan(gs, remaining, self.cost.coefficients(len(rids)), offered)
+                ks, end = drain_plan(gs, remaining, self.cost.coefficients(len(rids)), offered)
                 # a request ending before the batch does, undrafted, gets no probe either; one
                 # that sets the batch's end may (its text may turn repetitive)
-                end = max(r / (1.0 + o * sum(g[:k]))
-                          for g, k, r, o in zip(gs, ks, remaining, offered))
                 spared = [k == 0 and r < end for k, r in zip(ks, remaining)]
         # A class whose verify rows only its prior priced (seeded from another batch size, or
         # a tenth of the base) measures them first: every request drafts up to EXPLORE_K, so
