@@ -128,9 +128,9 @@ class Clock:
 def timed_stages(clock: Clock) -> Any:
     """A LocalStages subclass adding each stage's time to `clock` (for build_local_engine)."""
     class TimedStages(LocalStages):
-        async def run_step(self, plan: Any) -> Any:
+        def step(self, plan: Any) -> Any:
             t0 = time.perf_counter()
-            proposal = draft_step(self.proposer, plan)
+            proposal = draft_step(self.proposer, plan, self.grammars)
             t1 = time.perf_counter()
             outcome = self.verifier.step(plan, proposal)
             t2 = time.perf_counter()
@@ -270,11 +270,7 @@ async def run_local_wave(core: Any, wave: list[Request], params: Any,
     # a closed wave is a batch job: its last request tells the engine the batch drains after it
     traces = await closed_loop(wave, batch, lambda r: stream_one(
         lambda: core.add_request(r.rid, r.ids, params, last=r is wave[-1]), r.rid))
-    # Let the release-only plan free the slots before the next wave reuses the runner.
-    for _ in range(1000):
-        if not core.scheduler.has_work:
-            break
-        await asyncio.sleep(0)
+    await core.idle()  # the release-only plan frees the slots before another mode's wave
     return traces
 
 

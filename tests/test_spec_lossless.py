@@ -112,6 +112,7 @@ def test_sampling_through_the_speculative_engine_keeps_the_target_distribution(m
                 streams = [await core.add_request(f"s{i + j}", PROMPT, params) for j in range(8)]
                 for s in streams:
                     outs.append([t for d in [d async for d in s] for t in d.token_ids])
+            await core.idle()
             return outs
 
         outs = asyncio.run(go())

@@ -125,6 +125,7 @@ class EngineCore:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._dropped = 0
+        self._in_step = False  # a step's stages are running (see `idle`)
 
     # --- requests ---------------------------------------------------------------------------
     async def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -175,6 +176,14 @@ class EngineCore:
                                           finish_kind="abort"))
         self._wake.set()
 
+    async def idle(self) -> None:
+        """Wait until nothing is queued, running or left to release and no step is in flight
+        (or the loop stopped): a finished request's slots are freed by a later plan, and a
+        runner shared with another engine is reusable only once that plan ran."""
+        while (self.scheduler.has_work or self._in_step) and \
+                self._task is not None and not self._task.done():
+            await asyncio.sleep(0.001)
+
     # --- the loop ---------------------------------------------------------------------------
     def start(self) -> asyncio.Task:
         """Run the loop as a task of the running event loop (again, after a loop ended)."""
@@ -214,6 +223,14 @@ class EngineCore:
             self._fail(e)
 
     async def _step(self, plan: StepPlan, pending: asyncio.Future | None) -> asyncio.Future | None:
+        self._in_step = True
+        try:
+            return await self._run_step(plan, pending)
+        finally:
+            self._in_step = False
+
+    async def _run_step(self, plan: StepPlan, pending: asyncio.Future | None
+                        ) -> asyncio.Future | None:
         span = self._start_span(plan)
         tokens = plan_tokens(plan)
         self.stall_bound_s = self.stall.bound(tokens)

@@ -36,6 +36,16 @@ class LocalStages:
         self.output.add_request(req.rid, req.prompt_ids, req.params)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
+        # In a worker thread, as a Ray actor's step runs in its own process: run on the event
+        # loop, a step blocked it for the whole forward, and a client reacting to a finish (a
+        # closed-loop batch client, one awaiting a stream) could queue its next request only a
+        # few steps later. Requests that end at different steps (any drafting) then left their
+        # slots empty for those steps: chat at batch 8 ran ~45 of its 258 steps a wave at batch
+        # 3-7, where target-only's requests, ending together, ran every step full.
+        return await asyncio.to_thread(self.step, plan)
+
+    def step(self, plan: StepPlan) -> StepOutcome:
+        """Draft and verify one step (in the calling thread)."""
         outcome = self.verifier.step(plan, draft_step(self.proposer, plan, self.grammars))
         assert outcome is not None  # a driver verifier always returns one
         return outcome
@@ -78,4 +88,5 @@ async def collect(core: EngineCore, requests: list[tuple[str, list[int], Samplin
 
     core.start()
     results = await asyncio.gather(*(one(*r) for r in requests))
+    await core.idle()  # the finished requests' slots freed: the runner may serve another engine
     return {c.rid: c for c in results}
