@@ -441,3 +441,50 @@ def test_a_hang_after_fast_steps_is_declared_at_the_adaptive_bound_not_the_ceili
     error = asyncio.run(main())
     assert core.stall_bound_s < 60, error
     assert core.health()["healthy"] is False
+
+
+def test_a_closed_loop_client_refills_a_finished_slot_at_the_next_step():
+    """A step runs off the event loop (as a Ray stage does), so a client that submits its next
+    request when it sees a finish is admitted a step after the finish arrives. Run on the loop,
+    a step blocked it, and the slot stayed empty for several steps (chat at batch 8: ~45 of 258
+    steps a wave at batch 3-7)."""
+    core = build_local_engine(load_config(CONFIG, {"num_slots": 2}))
+    verifier_step = core.stages.verifier.step
+
+    def slow_step(plan, proposal):  # a forward's duration; sleeping releases the GIL as it does
+        time.sleep(0.02)
+        return verifier_step(plan, proposal)
+
+    core.stages.verifier.step = slow_step
+    plans = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        if plan is not None and plan.rids:
+            plans.append(([n.rid for n in plan.new], list(plan.decode)))
+        return plan
+
+    core.scheduler.schedule = spy
+    lengths = {"short": 3, "long": 14, "next": 4}
+
+    async def main():
+        gate = asyncio.Semaphore(2)
+
+        async def one(rid: str) -> None:
+            async with gate:
+                stream = await core.add_request(rid, PROMPTS[0], SamplingParams(
+                    max_new_tokens=lengths[rid], ignore_eos=True))
+                async for _ in stream:
+                    pass
+
+        core.start()
+        await asyncio.gather(*(one(rid) for rid in lengths))
+        await core.idle()
+
+    asyncio.run(main())
+    last_decode = max(i for i, (_, decode) in enumerate(plans) if "short" in decode)
+    admitted = next(i for i, (new, _) in enumerate(plans) if "next" in new)
+    # with overlap the finish reaches the client during the step after the short one's last
+    # decode; its successor joins the step after that
+    assert admitted - last_decode <= 2, plans
