@@ -488,3 +488,46 @@ def test_a_closed_loop_client_refills_a_finished_slot_at_the_next_step():
     # with overlap the finish reaches the client during the step after the short one's last
     # decode; its successor joins the step after that
     assert admitted - last_decode <= 2, plans
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_a_request_id_reused_right_after_a_stop_gets_none_of_the_old_requests_tokens(
+        draft, reference):
+    """A stop is found by the output stage, so with overlap on the step after it was already
+    planned with the stopped request. A client that reuses the id as soon as it sees the finish
+    must not receive that step's tokens: they belong to the old request (TP = 2 on Ray once
+    streamed the stopped request's next token as the new one's first)."""
+    ref = reference[6]
+    stop = next(p for p in range(4, len(ref)) if ref[p] not in ref[:p])
+    core = build_local_engine(load_config(CONFIG, {**PLACEMENT, "draft": draft}))
+    plans = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        if plan is not None:
+            plans.append(([n.rid for n in plan.new], list(plan.release)))
+        return plan
+
+    core.scheduler.schedule = spy
+
+    async def main():
+        core.start()
+        outs = []
+        for params in (SamplingParams(max_new_tokens=40, stop_token_ids=[ref[stop]]),
+                       SamplingParams(max_new_tokens=6, ignore_eos=True)):
+            stream = await core.add_request("same", PROMPTS[6], params)
+            outs.append([d async for d in stream])
+        await core.idle()
+        return outs
+
+    first, second = asyncio.run(main())
+    assert ids(first) == ref[:stop + 1] and first[-1].finish_reason == "stop"
+    assert ids(second) == ref[:6] and second[-1].finish_reason == "length"
+    # the case this covers happened: a step carried the stopped request after its stop, and
+    # the output stage dropped it whole; the new request was admitted only after the release
+    assert asyncio.run(core.stages.dropped_steps()) >= 1
+    admitted = [i for i, (new, _) in enumerate(plans) if "same" in new]
+    released = next(i for i, (_, release) in enumerate(plans) if "same" in release)
+    assert len(admitted) == 2 and admitted[1] > released
+    assert core.scheduler.free_slots == core.scheduler.num_slots

@@ -126,6 +126,9 @@ class EngineCore:
         self._task: asyncio.Task | None = None
         self._dropped = 0
         self._in_step = False  # a step's stages are running (see `idle`)
+        # finished running requests whose release plan has not yet run: a late step (overlap)
+        # may still carry their tokens, so their ids are not reusable until it has
+        self._unreleased: dict[str, asyncio.Event] = {}
 
     # --- requests ---------------------------------------------------------------------------
     async def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -134,7 +137,14 @@ class EngineCore:
         """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
         (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then.
         `group`: the client request it belongs to (fair admission; None: a group of its own).
-        `last`: a batch job's final request (the batch drains after it; Scheduler.enqueue)."""
+        `last`: a batch job's final request (the batch drains after it; Scheduler.enqueue).
+        An id whose previous request has finished is reusable once that request's slots are
+        freed (the next step): until then this waits, since the step after a stop was planned
+        with the stopped request, and its tokens would reach the new one under the same id."""
+        while rid in self._unreleased:
+            if self._task is None or self._task.done():  # no loop to run the release plan
+                raise ValueError(f"request id {rid!r} is still being released")
+            await self._unreleased[rid].wait()
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine is unhealthy: {self.dead_reason}")
         if rid in self._streams:
@@ -168,7 +178,7 @@ class EngineCore:
         stream = self._streams.pop(rid, None)
         if stream is None:
             return
-        req = self.scheduler.finish(rid)
+        req = self._retire(rid)
         delta = None
         if req is not None and self.dead_reason is None:
             delta = await self.stages.abort(rid)
@@ -190,6 +200,7 @@ class EngineCore:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._wake = asyncio.Event()  # an Event belongs to the loop that first waits on it
+            self._unreleased = {rid: asyncio.Event() for rid in self._unreleased}
             self._task = loop.create_task(self.run())
         return self._task
 
@@ -201,6 +212,8 @@ class EngineCore:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        for released in self._unreleased.values():  # waiters see no loop and give up
+            released.set()
 
     async def run(self) -> None:
         """Step until stopped or a stage fails (then every in-flight request gets the error)."""
@@ -243,6 +256,12 @@ class EngineCore:
         finally:
             if span is not None:
                 span.end()
+        # the stages freed this plan's released requests, and every step that carried them is
+        # processed (the last one's output was delivered above): their ids are free again
+        for rid in plan.release:
+            released = self._unreleased.pop(rid, None)
+            if released is not None:
+                released.set()
         if not outcome.rids:  # a release-only step: nothing to output
             return None
         self.stall.record(time.monotonic() - started, tokens)
@@ -294,13 +313,21 @@ class EngineCore:
             stream = self._streams.get(delta.rid)
             if stream is None:  # aborted meanwhile: the abort delta already ended it
                 if delta.finished:
-                    self.scheduler.finish(delta.rid)  # idempotent; never leave a slot behind
+                    self._retire(delta.rid)  # idempotent; never leave a slot behind
                 continue
             stream.put(delta)
             if delta.finished:
                 del self._streams[delta.rid]
-                self.scheduler.finish(delta.rid)
+                self._retire(delta.rid)
         self.last_progress = time.time()
+
+    def _retire(self, rid: str) -> Any:
+        """`Scheduler.finish`; a running request's id stays reserved until its slots are freed
+        (`add_request`)."""
+        req = self.scheduler.finish(rid)
+        if self.scheduler.releasing(rid):
+            self._unreleased.setdefault(rid, asyncio.Event())
+        return req
 
     def fail(self, exc: BaseException) -> None:
         """A stage failed outside the loop (a health ping, registering a request): end every
@@ -318,6 +345,9 @@ class EngineCore:
             stream.put(error)
             self.scheduler.finish(rid)
         self._streams.clear()
+        for released in self._unreleased.values():  # waiters find the engine dead
+            released.set()
+        self._unreleased.clear()
 
     # --- views ------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -147,6 +147,10 @@ class Scheduler:
                 del self._held[req.group]
         return req
 
+    def releasing(self, rid: str) -> bool:
+        """Finished, and its slots wait for the next plan's release."""
+        return rid in self._release
+
     # --- one step -------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step's plan (release, admit fairly into free slots, verify the rest); a
