@@ -146,7 +146,8 @@ def test_ray_full_queue_raises_overloaded_and_aborts_free_everything(engines):
             finally:
                 await gen.aclose()  # closing early aborts the request
 
-        # 8 slots + 64 waiting fit; the rest are refused before they yield anything.
+        # 64 wait, and the 8 slots take what the engine admitted before the queue filled (0-8,
+        # depending on how fast it steps); the rest are refused before they yield anything.
         tasks = [asyncio.ensure_future(hold(f"o{i}")) for i in range(80)]
         for _ in range(300):
             if len(started) + len(refused) >= 16:
@@ -164,7 +165,7 @@ def test_ray_full_queue_raises_overloaded_and_aborts_free_everything(engines):
         return refused, stats
 
     refused, stats = asyncio.run(main())
-    assert 1 <= len(refused) <= 8 and "full" in str(refused[0])
+    assert 80 - 64 - 8 <= len(refused) <= 80 - 64 and "full" in str(refused[0])
     assert stats["free_slots"] == 8 and stats["waiting"] == 0 and stats["healthy"]
 
 
