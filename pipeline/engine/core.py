@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.config import EngineConfig
-from pipeline.engine.scheduler import Scheduler
+from pipeline.engine.scheduler import EngineRequest, Scheduler
 from pipeline.engine.spec_control import SpecController
 from pipeline.engine.stall import StallDetector, plan_tokens
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
@@ -321,7 +321,7 @@ class EngineCore:
                 self._retire(delta.rid)
         self.last_progress = time.time()
 
-    def _retire(self, rid: str) -> Any:
+    def _retire(self, rid: str) -> EngineRequest | None:
         """`Scheduler.finish`; a running request's id stays reserved until its slots are freed
         (`add_request`)."""
         req = self.scheduler.finish(rid)
