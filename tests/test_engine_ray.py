@@ -87,21 +87,30 @@ def test_tp2_adaptive_stop_fires_in_the_reference_step_after_rejected_drafts(eng
               else SamplingParams(max_new_tokens=40, stop=[matched]))
     info = asyncio.run(EngineClient(engines["tp2"]).model_info())
     assert info["tensor_parallel_size"] == 2
-    deltas = _run_batch(engines["tp2"], [("lossy", LOSSY_PROMPT, params)])["lossy"]
-    last = deltas[-1]
-    windows = [(d.token_ids, d.spec_draft_tokens, d.text) for d in deltas] + [ref[:f + 2]]
-    assert (last.finish_reason, last.matched_stop, last.finished_len) == \
-        ("stop", matched, f + 1), windows
-    assert ids(deltas) == ref[:f + 1]
-    before = sum(len(d.token_ids) for d in deltas[:-1])
-    assert before <= f < before + len(last.token_ids) and last.finish_step is not None
-    # Per step (delta): drafts verified and drafts accepted; some earlier step rejected drafts.
-    drafts = [0] + [d.spec_draft_tokens for d in deltas[:-1]]
-    accepted = [0] + [d.spec_accepted_tokens for d in deltas[:-1]]
-    steps = [(drafts[i + 1] - drafts[i], accepted[i + 1] - accepted[i])
-             for i in range(len(deltas) - 1)]
-    assert any(drafted > kept for drafted, kept in steps)
-    assert len({drafted for drafted, _ in steps}) > 1  # adaptive k varied
+    # Adaptive k follows measured step times and what the engine learned from earlier requests,
+    # so a run may draft too little to reject anything (seen under CI load): the stop must fire
+    # right in every run, and some run must reject drafts before it.
+    rejected = []
+    for attempt in range(8):
+        deltas = _run_batch(engines["tp2"], [(f"lossy-{kind}-{attempt}", LOSSY_PROMPT,
+                                              params)])[f"lossy-{kind}-{attempt}"]
+        last = deltas[-1]
+        windows = [(d.token_ids, d.spec_draft_tokens, d.text) for d in deltas] + [ref[:f + 2]]
+        assert (last.finish_reason, last.matched_stop, last.finished_len) == \
+            ("stop", matched, f + 1), windows
+        assert ids(deltas) == ref[:f + 1]
+        before = sum(len(d.token_ids) for d in deltas[:-1])
+        assert before <= f < before + len(last.token_ids) and last.finish_step is not None
+        # Per step (delta): drafts verified and drafts accepted.
+        drafts = [0] + [d.spec_draft_tokens for d in deltas[:-1]]
+        accepted = [0] + [d.spec_accepted_tokens for d in deltas[:-1]]
+        steps = [(drafts[i + 1] - drafts[i], accepted[i + 1] - accepted[i])
+                 for i in range(len(deltas) - 1)]
+        if any(drafted > kept for drafted, kept in steps):
+            rejected.append(steps)
+            break
+    assert rejected, "no run rejected a draft before the stop"
+    assert len({drafted for drafted, _ in rejected[0]}) > 1  # adaptive k varied
 
 
 def test_ray_abort_ends_stream_and_frees_slots(engines):
