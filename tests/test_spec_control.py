@@ -19,6 +19,7 @@ from pipeline.engine.spec_control import (
     StepCosts,
     drain_plan,
     gains,
+    rate_plan,
 )
 
 
@@ -720,3 +721,28 @@ def test_the_controller_learns_how_often_a_proposer_has_a_draft():
     assert c.offered("chat") == pytest.approx(pool, abs=0.02)
     c.forget("chat")
     assert c.offered("chat") == pool
+
+
+def test_a_draft_its_proposer_rarely_has_pays_the_verify_steps_fixed_cost_alone():
+    # b = 8: a plain step 80 ms, a verify row 2 ms, 20 ms more for a step verifying any draft.
+    # Eight chats whose first draft is kept 60% of the time: offered every step, the fixed cost
+    # is shared by eight drafts (12.8 tokens in 116 ms against 8 in 80) and they pay; offered
+    # one step in ten, a step with a draft has about one, and 8.5 tokens in 93 ms do not.
+    costs = (0.08, 0.002, 0.0, 0.02)
+    chat = [0.6]
+    assert rate_plan([chat] * 8, [1.0] * 8, costs)[0] == [1] * 8
+    assert rate_plan([chat] * 8, [0.1] * 8, costs) == ([0] * 8, pytest.approx(100.0))
+    # four copies pay the fixed cost every step: the chats' drafts then pay for their rows
+    copy = [1.0] * 4
+    ks, rate = rate_plan([copy] * 4 + [chat] * 4, [1.0] * 4 + [0.1] * 4, costs)
+    assert ks == [4] * 4 + [1] * 4
+    assert rate == pytest.approx((8 + 16 + 4 * 0.1 * 0.6) / (0.08 + 0.02 + 0.002 * 16.4))
+
+
+@pytest.mark.parametrize("offered", [1.0, 0.5, 0.1])
+def test_at_batch_1_how_often_a_draft_comes_does_not_decide_whether_to_ask(offered):
+    # one request: a step without a draft costs a plain decode, so asking pays exactly when a
+    # draft, once there, pays (the 40 ms fixed cost of `_batch1_costs`)
+    costs = (0.06, 0.0025, 0.0, 0.04)
+    assert rate_plan([gains([0.4] * 8, 8)], [offered], costs)[0] == [0]
+    assert rate_plan([gains([0.9] * 8, 8)], [offered], costs)[0][0] > 0
