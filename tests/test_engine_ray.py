@@ -71,48 +71,6 @@ def test_ray_engine_greedy_equals_target_only(engines, reference, tp):
     assert info["tensor_parallel_size"] == (2 if tp == "tp2" else 1)
 
 
-# n-gram drafts of this prompt get rejected (tests/test_spec_lossless.py uses it in-process).
-LOSSY_PROMPT = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31, 32]
-
-
-@pytest.mark.parametrize("kind", ["stop_id", "stop_string"])
-def test_tp2_adaptive_stop_fires_in_the_reference_step_after_rejected_drafts(engines, kind):
-    """TP = 2, n-gram drafts, adaptive k: the stop fires at the reference position, in the step
-    whose window holds it (one delta per step), after an earlier step rejected drafts."""
-    runner = build_runner(load_config("configs/tiny.yaml", {"draft": "none"}))
-    ref = greedy_reference(runner, LOSSY_PROMPT, 40)
-    f = next(p for p in range(12, len(ref)) if ref[p] not in ref[:p] and ref[p] != 2)
-    matched = ref[f] if kind == "stop_id" else runner.tokenizer.decode([ref[f]])
-    params = (SamplingParams(max_new_tokens=40, stop_token_ids=[matched]) if kind == "stop_id"
-              else SamplingParams(max_new_tokens=40, stop=[matched]))
-    info = asyncio.run(EngineClient(engines["tp2"]).model_info())
-    assert info["tensor_parallel_size"] == 2
-    # Adaptive k follows measured step times and what the engine learned from earlier requests,
-    # so a run may draft too little to reject anything (seen under CI load): the stop must fire
-    # right in every run, and some run must reject drafts before it.
-    rejected = None  # the steps of the first run that rejected a draft
-    for attempt in range(8):
-        deltas = _run_batch(engines["tp2"], [(f"lossy-{kind}-{attempt}", LOSSY_PROMPT,
-                                              params)])[f"lossy-{kind}-{attempt}"]
-        last = deltas[-1]
-        windows = [(d.token_ids, d.spec_draft_tokens, d.text) for d in deltas] + [ref[:f + 2]]
-        assert (last.finish_reason, last.matched_stop, last.finished_len) == \
-            ("stop", matched, f + 1), windows
-        assert ids(deltas) == ref[:f + 1]
-        before = sum(len(d.token_ids) for d in deltas[:-1])
-        assert before <= f < before + len(last.token_ids) and last.finish_step is not None
-        # Per step (delta): drafts verified and drafts accepted.
-        drafts = [0] + [d.spec_draft_tokens for d in deltas[:-1]]
-        accepted = [0] + [d.spec_accepted_tokens for d in deltas[:-1]]
-        steps = [(drafts[i + 1] - drafts[i], accepted[i + 1] - accepted[i])
-                 for i in range(len(deltas) - 1)]
-        if any(drafted > kept for drafted, kept in steps):
-            rejected = steps
-            break
-    assert rejected is not None, "no run rejected a draft before the stop"
-    assert len({drafted for drafted, _ in rejected}) > 1  # adaptive k varied
-
-
 def test_ray_abort_ends_stream_and_frees_slots(engines):
     client = EngineClient(engines["tp1"])
 
