@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from pytest import approx
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -43,6 +45,11 @@ def test_bench_runs_every_mode_interleaved_and_checks_outputs_and_statistics(tmp
     cell = report["targets"]["copy/b2"]
     assert "adaptive_vs_best_fixed (>= 0.97)" in cell and cell["adaptive_vs_best_fixed_paired"] > 0
     assert cell["adaptive_vs_none_paired"] > 0
+    # pooled: all tokens over all wall time, per mode, recomputed from the runs' totals
+    rate = {r["mode"]: r["output_tokens"] / r["wall_s"] for r in report["runs"] if r["batch"] == 2}
+    assert cell["adaptive_vs_none_pooled"] == approx(rate["adaptive"] / rate["none"])
+    assert cell["adaptive_vs_best_fixed_pooled"] == approx(
+        min(rate["adaptive"] / rate[k] for k in ("k2", "k4", "k8")))
     for r in report["runs"]:  # batch 1, one request a repetition: no busy window
         assert (r["busy_tokens_per_s"] is None) == (r["batch"] == 1)
         assert len(r["rep_busy_tokens_per_s"]) == (2 if r["batch"] == 2 else 0)
