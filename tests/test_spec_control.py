@@ -739,6 +739,45 @@ def test_a_draft_its_proposer_rarely_has_pays_the_verify_steps_fixed_cost_alone(
     assert rate == pytest.approx((8 + 16 + 4 * 0.1 * 0.6) / (0.08 + 0.02 + 0.002 * 16.4))
 
 
+def rate_plan_by_cap(gains_: list[list[float]], offered: list[float],
+                     costs: tuple[float, float, float, float]) -> tuple[list[int], float]:
+    """`rate_plan` written out plainly: for each cap on the longest draft, every prefix of the
+    candidates under it sorted by gain; the first plan of the best rate."""
+    base, per_row, per_draft, per_verify = costs
+    best, best_rate = [0] * len(gains_), len(gains_) / base
+    cands = sorted((-g, j, i) for i, gs in enumerate(gains_) for j, g in enumerate(gs))
+    for cap in range(1, max((len(gs) for gs in gains_), default=0) + 1):
+        kept, rows, none_log, ks = 0.0, 0.0, 0.0, [0] * len(gains_)
+        for neg_gain, j, i in cands:
+            if j >= cap:
+                continue
+            o = min(max(offered[i], 0.0), 1.0)
+            kept += o * -neg_gain
+            tokens = len(gains_) + kept
+            rows += o
+            none_log += math.log1p(-min(o, 1.0 - 1e-12)) if j == 0 else 0.0
+            ks[i] += 1
+            verifies = 1.0 - math.exp(none_log)
+            rate = tokens / (base + verifies * (per_verify + per_draft * cap) + per_row * rows)
+            if rate > best_rate:
+                best, best_rate = list(ks), rate
+    return best, best_rate
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=6),
+                          st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0])), min_size=1, max_size=6),
+       st.tuples(st.floats(0.01, 1.0), st.floats(0.0, 0.1), st.floats(0.0, 0.1),
+                 st.floats(0.0, 0.1)))
+def test_the_rate_plan_is_the_best_prefix_under_every_cap(reqs, costs):
+    ps, offered = (list(x) for x in zip(*reqs))
+    gs = [gains(p, len(p)) for p in ps]
+    ks, rate = rate_plan(gs, offered, costs)
+    want_ks, want_rate = rate_plan_by_cap(gs, offered, costs)
+    assert rate == pytest.approx(want_rate, rel=1e-12)
+    assert ks == want_ks
+
+
 @pytest.mark.parametrize("offered", [1.0, 0.5, 0.1])
 def test_at_batch_1_how_often_a_draft_comes_does_not_decide_whether_to_ask(offered):
     # one request: a step without a draft costs a plain decode, so asking pays exactly when a

@@ -211,25 +211,30 @@ def rate_plan(gains: list[list[float]], offered: list[float],
     batch = len(gains)
     base, per_row, per_draft, per_verify = costs
     best, best_rate = [0] * batch, batch / base
-    # every candidate draft once, largest gain first (ties: earlier position first)
-    flat = [(-g, j, i) for i, gs in enumerate(gains) for j, g in enumerate(gs)]
-    if not flat:
+    g = np.array([x for gs in gains for x in gs], dtype=float)
+    if not len(g):
         return best, best_rate
-    cand = np.array(sorted(flat))
-    gain, pos, req = -cand[:, 0], cand[:, 1].astype(int), cand[:, 2].astype(int)
+    pos = np.concatenate([np.arange(len(gs)) for gs in gains])
+    req = np.repeat(np.arange(batch), [len(gs) for gs in gains])
+    # every candidate draft once, largest gain first (ties: earlier position, then request)
+    order = np.lexsort((req, pos, -g))
+    gain, pos, req = g[order], pos[order], req[order]
     o = np.clip(np.asarray(offered, dtype=float), 0.0, 1.0)[req]
     # log P(no request of a prefix has a draft), lowered at each request's first draft
     none_log = np.where(pos == 0, np.log1p(-np.minimum(o, 1.0 - 1e-12)), 0.0)
-    for longest in range(1, int(pos.max()) + 2):
-        taken = pos < longest
-        tokens = batch + np.cumsum(o[taken] * gain[taken])
-        verifies = 1.0 - np.exp(np.cumsum(none_log[taken]))
-        rate = tokens / (base + verifies * (per_verify + per_draft * longest)
-                         + per_row * np.cumsum(o[taken]))
-        top = int(np.argmax(rate))
-        if rate[top] > best_rate:
-            best = np.bincount(req[taken][:top + 1], minlength=batch).tolist()
-            best_rate = float(rate[top])
+    # row L - 1: the plans whose longest draft is at most L, as prefixes of the candidates
+    # within that cap (a candidate past the cap adds 0 to the running sums and is never picked)
+    longest = np.arange(1, int(pos.max()) + 2)[:, None]
+    taken = pos[None, :] < longest
+    tokens = batch + np.cumsum(np.where(taken, o * gain, 0.0), axis=1)
+    verifies = 1.0 - np.exp(np.cumsum(np.where(taken, none_log, 0.0), axis=1))
+    rows = np.cumsum(np.where(taken, o, 0.0), axis=1)
+    rate = tokens / (base + verifies * (per_verify + per_draft * longest) + per_row * rows)
+    rate = np.where(taken, rate, -np.inf)
+    cap, top = np.unravel_index(int(np.argmax(rate)), rate.shape)  # the first of the best
+    if rate[cap, top] > best_rate:
+        plan = req[:top + 1][taken[cap, :top + 1]]
+        best, best_rate = np.bincount(plan, minlength=batch).tolist(), float(rate[cap, top])
     return best, best_rate
 
 
