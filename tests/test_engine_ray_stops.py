@@ -21,12 +21,9 @@ from pipeline.config import load_config
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
 from tests.test_engine import ids
+from tests.test_spec_lossless import PROMPT as LOSSY_PROMPT  # n-gram drafts of it get rejected
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
-
-# n-gram drafts of this prompt get rejected (tests/test_spec_lossless.py uses it in-process).
-LOSSY_PROMPT = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31, 32]
-
 
 @pytest.fixture
 def fresh_tp2(ray_cluster):
