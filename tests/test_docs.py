@@ -1,15 +1,23 @@
-"""The reference pages say what the committed results say: docs/benchmarks.md's tables (and
-README's) are the newest engine matrix's numbers as printed."""
+"""The reference pages say what the code and the committed results say: docs/benchmarks.md's
+tables (and README's) are the newest engine matrix's numbers as printed, and docs/config.md has
+one row per config field with the field's default."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 import re
+import typing
 from typing import Any
 
 import pytest
+import yaml
+
+from pipeline.config import EngineConfig
+from pipeline.placement import Placement
+from pipeline.tracing.otel import CONFIG_KEYS, TracingConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(ROOT, "docs", "bench")
@@ -126,3 +134,68 @@ def test_the_readme_table_is_the_newest_matrix_as_printed(matrix):
             assert cell == (f"{tok[('none', workload, batch)]:.1f} / "
                             f"{tok[('adaptive', workload, batch)]:.1f} / "
                             f"{tok[(best, workload, batch)]:.1f} ({best})"), (workload, batch)
+
+
+# --- docs/config.md ------------------------------------------------------------------------
+def config_entries() -> dict[str, str]:
+    """Field name -> documented default (the cell's text) of every engine config row."""
+    text = section(read("docs", "config.md"), "## Engine config fields")
+    out = {}
+    for row in table_rows(text):
+        m = re.fullmatch(r"`([\w.]+)`", row[0])
+        if m:
+            assert m.group(1) not in out, f"{m.group(1)} documented twice"
+            out[m.group(1)] = row[1]
+    return out
+
+
+def fields_of(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Name -> default of every field of a dataclass, nested dataclasses by dotted name."""
+    out: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        out[prefix + f.name] = default
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+            out |= fields_of(hints[f.name], f"{prefix}{f.name}.")
+    return out
+
+
+def documented_fields() -> dict[str, Any]:
+    """Every key an engine config accepts, with its default: the EngineConfig fields, and the
+    keys of the two mapping sections (placement: Placement's fields; tracing: CONFIG_KEYS,
+    defaults from TracingConfig where the key is a setting of its own, None where the code
+    derives it: the service name, the endpoints)."""
+    out = fields_of(EngineConfig)
+    out |= {f"placement.{k}": v for k, v in fields_of(Placement).items()}
+    tracing_defaults = {f.name: f.default for f in dataclasses.fields(TracingConfig)}
+    for key in CONFIG_KEYS:
+        derived = key in ("service_name", "otlp_endpoint", "otlp_traces_endpoint")
+        out[f"tracing.{key}"] = None if derived else tracing_defaults[key]
+    return out
+
+
+def test_config_reference_has_one_row_per_field_and_no_other():
+    documented, fields = config_entries(), documented_fields()
+    assert sorted(set(fields) - set(documented)) == [], "fields without an entry in docs/config.md"
+    assert sorted(set(documented) - set(fields)) == [], "entries naming no config field"
+
+
+def test_config_reference_defaults_are_the_code_defaults():
+    documented, fields = config_entries(), documented_fields()
+    for name, cell in documented.items():
+        m = re.match(r"`([^`]*)`", cell)
+        assert m, f"{name}: the default is not written as a literal"
+        value = yaml.safe_load(m.group(1))
+        want = fields[name]
+        assert value == want and type(value) is type(want), (name, value, want)
+
+
+def test_the_config_reference_is_linked():
+    assert "docs/config.md" in read("README.md")
+    assert "config.md" in read("docs", "architecture.md")
