@@ -756,7 +756,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ray-mode", default="adaptive", choices=MODES[:5])
     p.add_argument("--ray-workload", default="copy")
     p.add_argument("--ray-cores", type=int, default=2, help="CPUs given to the Ray cluster")
-    p.add_argument("--out", default="bench-out")
+    p.add_argument("--out", default="bench-out",
+                   help="folder for results.json and the plots (default bench-out, git-ignored: "
+                        "results enter docs/bench only when copied there on purpose)")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     if args.reps_b1 is None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.util
 import json
 import os
 import re
+import sys
 import typing
 from typing import Any
 
@@ -73,6 +75,17 @@ def test_the_benchmarks_page_is_a_reference_not_a_log():
     assert len(os.listdir(BENCH_DIR)) <= 6
     for name in os.listdir(BENCH_DIR):  # the folder keeps only what the page shows
         assert f"bench/{name}" in text, f"docs/bench/{name} is not on docs/benchmarks.md"
+
+
+def test_the_engine_bench_writes_outside_the_tracked_tree_by_default():
+    spec = importlib.util.spec_from_file_location(
+        "bench_engine_args", os.path.join(ROOT, "scripts", "bench_engine.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    out = module.parse_args([]).out
+    ignored = {line.strip().strip("/") for line in read(".gitignore").splitlines()}
+    assert not os.path.isabs(out) and out.strip("/") in ignored
 
 
 def test_every_docs_bench_file_named_anywhere_exists():
