@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from pipeline.config import EngineConfig
-from pipeline.draft.base import Proposal
 from pipeline.draft.step import build_proposer, draft_step
-from pipeline.engine.step_plan import StepPlan
 from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runners import load_engine_tokenizer, set_torch_threads
+from pipeline.protocol import Proposal, StepPlan
 
 
 class DraftWorker:

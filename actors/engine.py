@@ -20,11 +20,11 @@ import ray
 
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
-from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.gc_tuning import tune_gc
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
+from pipeline.protocol import NewRequest, StepOutcome, StepPlan
 from pipeline.tracing.otel import context_from_traceparent, flush_tracing, get_tracer, setup_tracing
 
 log = logging.getLogger(__name__)

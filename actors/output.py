@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pipeline.config import EngineConfig
-from pipeline.engine.step_plan import NewRequest
 from pipeline.gc_tuning import tune_gc
 from pipeline.models.runners import load_engine_tokenizer
 from pipeline.output.processor import OutputProcessor
 from pipeline.output.request_output import RequestOutput
 from pipeline.output.tracing import TracedOutputProcessor
+from pipeline.protocol import NewRequest
 from pipeline.tokenizer import eos_token_ids
 from pipeline.tracing.otel import flush_tracing, setup_tracing
 

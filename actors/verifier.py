@@ -11,10 +11,9 @@ from __future__ import annotations
 import socket
 
 from pipeline.config import EngineConfig
-from pipeline.draft.base import Proposal
-from pipeline.engine.step_plan import StepOutcome, StepPlan
 from pipeline.models.runners import build_runner, set_torch_threads
 from pipeline.models.tp import init_distributed
+from pipeline.protocol import Proposal, StepOutcome, StepPlan
 from pipeline.verify.verifier import Verifier
 
 

@@ -28,8 +28,8 @@ import numpy as np
 from actors.draft import DraftWorker
 from pipeline.config import EngineConfig, load_config
 from pipeline.draft.suffix import SuffixProposer, SuffixSettings
-from pipeline.engine.step_plan import NewRequest, StepPlan
 from pipeline.params import SamplingParams
+from pipeline.protocol import NewRequest, StepPlan
 
 GREEDY = SamplingParams(max_new_tokens=1024)  # sizes the per-request index as the engine would
 

@@ -89,8 +89,8 @@ def test_greedy_constrained_speculation_equals_constrained_target_only(draft):
 def test_drafts_the_grammar_rejects_are_cut_before_verification():
     from pipeline.draft.base import Proposal, Proposer
     from pipeline.draft.step import draft_step
-    from pipeline.engine.step_plan import NewRequest, StepPlan
     from pipeline.grammar.tracker import GrammarTracker
+    from pipeline.protocol import NewRequest, StepPlan
 
     class Fixed(Proposer):  # proposes "ab9zz" whatever the sequence
         def add(self, rid, prompt_ids, params): ...
