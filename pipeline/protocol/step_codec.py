@@ -7,7 +7,8 @@ every message into dicts, lists, strings, numbers and bytes. Wire layouts (B req
     new       rid str, prompt bin i32, params {every SamplingParams field; grammar nil or
               {kind, compiled}}
     plan      step int, rel [rid], new [{rid, prompt, params}], dec [rid] (D of them),
-              last/kv/nout/ks bin i32[D], caps bin i32[D or 0], gain bin f64[D or 0],
+              last/kv/nout/ks bin i32[D], caps bin i32[D or 0], gain bin f64[D or 0] (+inf:
+              no draft can reach the floor),
               com/fin {rid: bin i32}, tp str|nil
     proposal  n bin i32[B] drafts per request, tok bin i32[sum n], pm nil | bin u8[B] (1: the
               request has q), pv int vocab, pq nil | bin f32[sum n of flagged * pv],
@@ -79,7 +80,7 @@ def encode_new_request(req: NewRequest) -> bytes:
 def decode_new_request(payload: Any) -> NewRequest:
     msg = unpack(payload)
     check_header(msg, "new", NEW_REQUEST_VERSION, _NEW_KEYS)
-    return _new_request(msg, "new")
+    return _new_request({key: msg[key] for key in _NEW_BODY}, "new")
 
 
 def _new_body(req: NewRequest) -> dict[str, Any]:
@@ -165,7 +166,7 @@ def decode_plan(payload: Any) -> StepPlan:
         num_outputs=int_list(msg["nout"], d, "plan.nout"),
         ks=int_list(msg["ks"], d, "plan.ks", 0, MAX_DRAFTED),
         caps=int_list(msg["caps"], _count(msg["caps"], d), "plan.caps", 0, MAX_DRAFTED),
-        min_gains=float_list(msg["gain"], _count(msg["gain"], d), "plan.gain"),
+        min_gains=float_list(msg["gain"], _count(msg["gain"], d), "plan.gain", upper_inf=True),
         commits=_tokens_of(msg["com"], "plan.com"),
         finals=_tokens_of(msg["fin"], "plan.fin"),
         traceparent=want_traceparent(msg["tp"], "plan.tp"),

@@ -131,7 +131,9 @@ def from_bin(raw: Any, dtype: np.dtype, count: int | None, name: str) -> np.ndar
     """The `dtype` array a bin field holds (`count` values, or any number when None)."""
     if type(raw) is not bytes:
         raise ProtocolError(f"{name} must be a bin array")
-    if len(raw) % dtype.itemsize or (count is not None and len(raw) != count * dtype.itemsize):
+    if count is None and len(raw) % dtype.itemsize:
+        raise ProtocolError(f"{name}: {len(raw)} bytes are no whole number of {dtype.name}")
+    if count is not None and len(raw) != count * dtype.itemsize:
         raise ProtocolError(f"{name}: expected {count} {dtype.name} values, got {len(raw)} bytes")
     return np.frombuffer(raw, dtype=dtype)
 
@@ -145,11 +147,12 @@ def int_list(raw: Any, count: int | None, name: str, lo: int = 0, hi: int = INT3
     return arr.tolist()
 
 
-def float_list(raw: Any, count: int | None, name: str) -> list[float]:
-    """A float64 bin field of finite values as a list."""
+def float_list(raw: Any, count: int | None, name: str, upper_inf: bool = False) -> list[float]:
+    """A float64 bin field of finite values (or +inf, with `upper_inf`) as a list."""
     arr = from_bin(raw, F64, count, name)
-    if not bool(np.isfinite(arr).all()):
-        raise ProtocolError(f"{name}: values must be finite")
+    ok = np.isfinite(arr) | (upper_inf & (arr == np.inf))
+    if not bool(ok.all()):
+        raise ProtocolError(f"{name}: values must be finite" + (" or +inf" if upper_inf else ""))
     return arr.tolist()
 
 

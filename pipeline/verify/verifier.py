@@ -34,10 +34,6 @@ class Verifier:
         # is only needed once one arrives).
         self.grammars = GrammarTracker(lambda: runner.tokenizer)
 
-    @property
-    def num_running(self) -> int:
-        return len(self._slots)
-
     def release(self, rids: list[str]) -> None:
         for rid in rids:
             slot = self._slots.pop(rid, None)
@@ -120,7 +116,8 @@ class Verifier:
         offset = len(plan.new)
         for i, (p, d) in enumerate(zip(proposal.probs, drafts[offset:])):
             if p is not None and d:
-                q[offset + i, : len(d)] = p[: len(d)].to(q.device)
+                # a CPU tensor in process, a numpy array after crossing one (step_codec)
+                q[offset + i, : len(d)] = torch.as_tensor(p[: len(d)]).to(q.device)
         return q
 
 
