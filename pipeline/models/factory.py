@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from pipeline.config import parse_tiny_source
+from pipeline.model_files import smollm2_path
 from pipeline.models.config import ModelConfig
-from pipeline.models.loader import default_model_path, load_model, resolve_dtype
+from pipeline.models.loader import load_model, resolve_dtype
 from pipeline.models.runner import ModelRunner
 from pipeline.models.tiny import make_draft_target_pair, tiny_config
 from pipeline.models.tp import apply_tp
@@ -35,7 +36,7 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
         pair = make_draft_target_pair(tiny_seed, agreement_noise, config)
         model = pair.draft if agreement_noise > 0 else pair.target
     else:
-        path = default_model_path() if source == "smollm2" else str(source)
+        path = smollm2_path() if source == "smollm2" else str(source)
         loaded = load_model(path, torch_dtype, load_tokenizer=load_tokenizer)
         model, config = loaded.model, loaded.config
         tokenizer, template = loaded.tokenizer, loaded.chat_template
