@@ -8,7 +8,7 @@ from pipeline.gc_tuning import tune_gc
 from pipeline.models.runners import load_engine_tokenizer
 from pipeline.output.processor import OutputProcessor
 from pipeline.output.request_output import RequestOutput
-from pipeline.output.tracing import TracedOutputProcessor
+from pipeline.output.spans import TracedOutputProcessor
 from pipeline.protocol import decode_new_request
 from pipeline.tokenizer import eos_token_ids
 from pipeline.tracing.otel import flush_tracing, setup_tracing

@@ -12,7 +12,7 @@ time and as this process's CPU time (on a shared machine the CPU time is the ste
 counts the tokenizer's threads too). TOKENIZERS_PARALLELISM defaults to false here: one step's batch
 decode is ~1 us per request, too small for the tokenizer's thread pool to pay off (set it to true in
 the environment to compare). `make_processor` is the one place that builds the processor under test, so
-a traced variant (pipeline.output.tracing.TracedOutputProcessor) is a one-line change there.
+a traced variant (pipeline.output.spans.TracedOutputProcessor) is a one-line change there.
 The garbage collector is set as in the output actor (pipeline.gc_tuning); `--gc default` keeps
 CPython's settings, for comparison.
 """
@@ -52,7 +52,7 @@ def make_processor(tokenizer, args: argparse.Namespace):
     # process has no opentelemetry loaded, as an untraced output actor would not.
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from pipeline.output.tracing import TracedOutputProcessor
+    from pipeline.output.spans import TracedOutputProcessor
     from pipeline.tracing.otel import make_provider, resolve_config
 
     class Discard(SpanExporter):

@@ -21,7 +21,7 @@ from pipeline.engine.local import build_local_engine, collect
 from pipeline.grammar.llg import compile_grammar
 from pipeline.models.runners import tiny_tokenizer
 from pipeline.output.processor import OutputProcessor
-from pipeline.output.tracing import TracedOutputProcessor
+from pipeline.output.spans import TracedOutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import VerifyStep, encode
 from pipeline.sampling import SamplingTensors, process_logits
