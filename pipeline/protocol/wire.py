@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import re
+import sys
+from array import array
 from typing import Any
 
 import msgpack
@@ -23,6 +25,9 @@ I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
 F64 = np.dtype("<f8")
 U8 = np.dtype("u1")
+# Short int/float lists go through the stdlib `array` (a list of 32 ints: ~1 us, numpy ~5 us);
+# its items are native-endian, which is the wire's little-endian only on little-endian hosts.
+_ARRAY_CODES = {I32: "i", F64: "d"} if sys.byteorder == "little" else {}
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
@@ -115,6 +120,12 @@ def want_traceparent(value: Any, name: str = "traceparent") -> str | None:
 # --- columns ------------------------------------------------------------------------------------
 def to_bin(values: Any, dtype: np.dtype, name: str) -> bytes:
     """`values` (a list or an array) as `dtype` bytes; ProtocolError when they do not fit."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is not None and type(values) is list:
+        try:
+            return array(code, values).tobytes()
+        except (TypeError, OverflowError) as e:
+            raise ProtocolError(f"{name}: {e}") from None
     try:
         arr = np.asarray(values)
         if arr.size and arr.dtype.kind not in ("iu" if dtype.kind in "iu" else "iuf"):
@@ -131,16 +142,26 @@ def from_bin(raw: Any, dtype: np.dtype, count: int | None, name: str) -> np.ndar
     """The `dtype` array a bin field holds (`count` values, or any number when None)."""
     if type(raw) is not bytes:
         raise ProtocolError(f"{name} must be a bin array")
+    _check_size(raw, dtype, count, name)
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _check_size(raw: bytes, dtype: np.dtype, count: int | None, name: str) -> None:
     if count is None and len(raw) % dtype.itemsize:
         raise ProtocolError(f"{name}: {len(raw)} bytes are no whole number of {dtype.name}")
     if count is not None and len(raw) != count * dtype.itemsize:
         raise ProtocolError(f"{name}: expected {count} {dtype.name} values, got {len(raw)} bytes")
-    return np.frombuffer(raw, dtype=dtype)
 
 
 def int_list(raw: Any, count: int | None, name: str, lo: int = 0, hi: int = INT32_MAX
              ) -> list[int]:
     """An int32 bin field as a list of ints in [lo, hi]."""
+    if _ARRAY_CODES and type(raw) is bytes and len(raw) <= 4096:  # short: no numpy
+        _check_size(raw, I32, count, name)
+        values = array("i", raw).tolist()
+        if values and (min(values) < lo or max(values) > hi):
+            raise ProtocolError(f"{name}: values must be in [{lo}, {hi}]")
+        return values
     arr = from_bin(raw, I32, count, name)
     if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
         raise ProtocolError(f"{name}: values must be in [{lo}, {hi}]")
@@ -149,11 +170,14 @@ def int_list(raw: Any, count: int | None, name: str, lo: int = 0, hi: int = INT3
 
 def float_list(raw: Any, count: int | None, name: str, upper_inf: bool = False) -> list[float]:
     """A float64 bin field of finite values (or +inf, with `upper_inf`) as a list."""
-    arr = from_bin(raw, F64, count, name)
-    ok = np.isfinite(arr) | (upper_inf & (arr == np.inf))
-    if not bool(ok.all()):
-        raise ProtocolError(f"{name}: values must be finite" + (" or +inf" if upper_inf else ""))
-    return arr.tolist()
+    if type(raw) is not bytes:
+        raise ProtocolError(f"{name} must be a bin array")
+    _check_size(raw, F64, count, name)
+    values = array("d", raw).tolist() if _ARRAY_CODES else np.frombuffer(raw, F64).tolist()
+    for x in values:
+        if not (math.isfinite(x) or (upper_inf and x == math.inf)):
+            raise ProtocolError(f"{name}: values must be finite" + (" or +inf" if upper_inf else ""))
+    return values
 
 
 def split(flat: list[Any], lengths: list[int]) -> list[list[Any]]:
