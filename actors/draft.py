@@ -1,13 +1,13 @@
-"""DraftWorker: holds the engine's Proposer; one `propose` call per step."""
+"""DraftWorker: holds the engine's Proposer; one `propose` call per step (plan bytes in,
+proposal bytes out: pipeline.protocol's msgpack, never a pickled object)."""
 
 from __future__ import annotations
 
 from pipeline.config import EngineConfig
-from pipeline.draft.base import Proposal
 from pipeline.draft.step import build_proposer, draft_step
-from pipeline.engine.step_plan import StepPlan
 from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runners import load_engine_tokenizer, set_torch_threads
+from pipeline.protocol import decode_plan, encode_proposal
 
 
 class DraftWorker:
@@ -16,8 +16,8 @@ class DraftWorker:
         self.proposer = build_proposer(config)
         self.grammars = GrammarTracker(lambda: load_engine_tokenizer(config))
 
-    def propose(self, plan: StepPlan) -> Proposal:
-        return draft_step(self.proposer, plan, self.grammars)
+    def propose(self, plan: bytes) -> bytes:
+        return encode_proposal(draft_step(self.proposer, decode_plan(plan), self.grammars))
 
     def ping(self) -> bool:
         return True

@@ -20,11 +20,18 @@ import ray
 
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
-from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.gc_tuning import tune_gc
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
+from pipeline.protocol import (
+    NewRequest,
+    StepOutcome,
+    StepPlan,
+    decode_outcome,
+    encode_new_request,
+    encode_plan,
+)
 from pipeline.tracing.otel import context_from_traceparent, flush_tracing, get_tracer, setup_tracing
 
 log = logging.getLogger(__name__)
@@ -103,8 +110,9 @@ async def create_stage_actors(config: EngineConfig,
 
 
 class RayStages:
-    """pipeline.engine.core.Stages over actor handles. The proposal and the payload travel as object
-    refs from actor to actor; the engine only reads the small StepOutcome.
+    """pipeline.engine.core.Stages over actor handles. Every message is pipeline.protocol's msgpack
+    bytes; the proposal and the payload travel as object refs from actor to actor, and the engine
+    only reads the small StepOutcome.
 
     Every stage call is submitted as the engine's own call, never as a child of the request
     being served (see `_call`)."""
@@ -123,17 +131,17 @@ class RayStages:
         return self._context.run(method.remote, *args)
 
     async def add_request(self, req: NewRequest, traceparent: str | None) -> None:
-        await self._call(self.actors.output.add_request, req, traceparent)
+        await self._call(self.actors.output.add_request, encode_new_request(req), traceparent)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
-        plan_ref = ray.put(plan)  # serialized once for the draft and every rank
+        plan_ref = ray.put(encode_plan(plan))  # encoded once for the draft and every rank
         proposal = self._call(self.actors.draft.propose, plan_ref)
         calls = [self._call(v.verify.options(num_returns=2), plan_ref, proposal)
                  for v in self.actors.verifiers]
         # Await every rank: a dead rank surfaces as its own error, not as rank 0 hanging.
         results = await asyncio.gather(*(outcome for outcome, _ in calls))
-        outcome = results[0]
-        outcome.payload = calls[0][1]  # an ObjectRef to the msgpack bytes
+        outcome = decode_outcome(results[0])
+        outcome.payload = calls[0][1]  # an ObjectRef to the VerifyStep bytes
         return outcome
 
     async def process(self, payload: Any) -> list[RequestOutput]:

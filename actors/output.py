@@ -1,14 +1,15 @@
-"""OutputActor: the (traced) OutputProcessor; receives each step's msgpack payload."""
+"""OutputActor: the (traced) OutputProcessor; receives each request's NewRequest and each step's
+VerifyStep as msgpack bytes."""
 
 from __future__ import annotations
 
 from pipeline.config import EngineConfig
-from pipeline.engine.step_plan import NewRequest
 from pipeline.gc_tuning import tune_gc
 from pipeline.models.runners import load_engine_tokenizer
 from pipeline.output.processor import OutputProcessor
 from pipeline.output.request_output import RequestOutput
-from pipeline.output.tracing import TracedOutputProcessor
+from pipeline.output.spans import TracedOutputProcessor
+from pipeline.protocol import decode_new_request
 from pipeline.tokenizer import eos_token_ids
 from pipeline.tracing.otel import flush_tracing, setup_tracing
 
@@ -22,7 +23,9 @@ class OutputActor:
         self.processor = TracedOutputProcessor(inner)
         tune_gc(config.gc_gen0_threshold)  # after loading: the tokenizer is never garbage
 
-    def add_request(self, req: NewRequest, traceparent: str | None) -> None:
+    def add_request(self, request: bytes, traceparent: str | None) -> None:
+        """Register a request (a NewRequest message) before any step carries it."""
+        req = decode_new_request(request)
         self.processor.add_request(req.rid, req.prompt_ids, req.params, traceparent=traceparent)
 
     def process(self, payload: bytes) -> list[RequestOutput]:

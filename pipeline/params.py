@@ -13,6 +13,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_SEED = (1 << 63) - 1
+MAX_TEMPERATURE = 2.0  # OpenAI's range; hotter is noise (and every API client is told so)
 
 
 @dataclass
@@ -61,8 +62,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _check_float("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature}")
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")

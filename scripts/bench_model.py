@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from pipeline.models.loader import default_model_path, load_model
+from pipeline.model_files import smollm2_path
+from pipeline.models.loader import load_model
 from pipeline.models.runner import ModelRunner
 from pipeline.tokenizer import load_tokenizer
 
@@ -77,7 +78,7 @@ def bench_hf(hf_model: torch.nn.Module, prompt: list[int], batch: int, steps: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=default_model_path())
+    ap.add_argument("--model", default=smollm2_path())
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])

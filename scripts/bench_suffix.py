@@ -28,8 +28,8 @@ import numpy as np
 from actors.draft import DraftWorker
 from pipeline.config import EngineConfig, load_config
 from pipeline.draft.suffix import SuffixProposer, SuffixSettings
-from pipeline.engine.step_plan import NewRequest, StepPlan
 from pipeline.params import SamplingParams
+from pipeline.protocol import NewRequest, StepPlan, encode_plan
 
 GREEDY = SamplingParams(max_new_tokens=1024)  # sizes the per-request index as the engine would
 
@@ -118,7 +118,7 @@ def rss_growth(requests: int, seed: int, config: EngineConfig, use_ray: bool = F
         actor = ray.remote(DraftWorker).remote(config)
 
         def propose(plan: StepPlan) -> None:
-            ray.get(actor.propose.remote(plan))
+            ray.get(actor.propose.remote(encode_plan(plan)))
 
         def rss() -> float:
             return ray.get(actor.__ray_call__.remote(lambda _self: rss_mb()))
@@ -127,7 +127,10 @@ def rss_growth(requests: int, seed: int, config: EngineConfig, use_ray: bool = F
             return ray.get(actor.__ray_call__.remote(lambda w: _index_stats(w.proposer)))
     else:
         worker = DraftWorker(config)
-        propose, rss = worker.propose, rss_mb
+        rss = rss_mb
+
+        def propose(plan: StepPlan) -> None:
+            worker.propose(encode_plan(plan))
 
         def index_stats() -> dict:
             return _index_stats(worker.proposer)

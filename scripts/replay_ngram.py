@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import bench_engine
 
 from pipeline.draft.ngram_lookup import propose_ngram
-from pipeline.models.loader import default_model_path
+from pipeline.model_files import smollm2_path
 from pipeline.tokenizer import load_tokenizer
 
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with open(args.results) as f:
         runs = json.load(f)["runs"]
-    tokenizer = load_tokenizer(default_model_path())
+    tokenizer = load_tokenizer(smollm2_path())
     for workload in args.workloads:
         run = next(r for r in runs if r["workload"] == workload and r["mode"] == "none"
                    and r["batch"] == 1 and r["engine"] == "local")

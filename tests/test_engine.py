@@ -347,7 +347,7 @@ def test_engine_step_span_parents_the_output_verify_step_span():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from pipeline.output.processor import OutputProcessor
-    from pipeline.output.tracing import TracedOutputProcessor
+    from pipeline.output.spans import TracedOutputProcessor
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

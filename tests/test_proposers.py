@@ -11,9 +11,9 @@ from pipeline.draft.model import DraftModelProposer
 from pipeline.draft.ngram import NgramProposer
 from pipeline.draft.none import NoProposer
 from pipeline.draft.step import build_proposer, draft_step
-from pipeline.engine.step_plan import NewRequest, StepPlan
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
+from pipeline.protocol import NewRequest, StepPlan
 
 GREEDY = SamplingParams()
 

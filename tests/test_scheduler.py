@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.spec_control import SpecController, SpecSettings
-from pipeline.engine.step_plan import StepOutcome
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
+from pipeline.protocol import StepOutcome
 
 
 def make(num_slots=2, max_waiting=3, max_model_len=32, k=4, reserved_slots=0) -> Scheduler:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pipeline.engine.stall import MIN_SAMPLES, StallDetector, plan_tokens
-from pipeline.engine.step_plan import NewRequest, StepPlan
 from pipeline.params import SamplingParams
+from pipeline.protocol import NewRequest, StepPlan
 
 
 def test_the_ceiling_holds_until_enough_steps_were_timed():

@@ -21,7 +21,7 @@ from pipeline.engine.local import build_local_engine, collect
 from pipeline.grammar.llg import compile_grammar
 from pipeline.models.runners import tiny_tokenizer
 from pipeline.output.processor import OutputProcessor
-from pipeline.output.tracing import TracedOutputProcessor
+from pipeline.output.spans import TracedOutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import VerifyStep, encode
 from pipeline.sampling import SamplingTensors, process_logits
@@ -89,8 +89,8 @@ def test_greedy_constrained_speculation_equals_constrained_target_only(draft):
 def test_drafts_the_grammar_rejects_are_cut_before_verification():
     from pipeline.draft.base import Proposal, Proposer
     from pipeline.draft.step import draft_step
-    from pipeline.engine.step_plan import NewRequest, StepPlan
     from pipeline.grammar.tracker import GrammarTracker
+    from pipeline.protocol import NewRequest, StepPlan
 
     class Fixed(Proposer):  # proposes "ab9zz" whatever the sequence
         def add(self, rid, prompt_ids, params): ...

@@ -17,9 +17,9 @@ from pipeline.draft.step import build_proposer, draft_step, keep_confident
 from pipeline.draft.suffix import SuffixProposer, SuffixSettings
 from pipeline.draft.suffix_index import TokenIndex
 from pipeline.engine.local import build_local_engine, collect
-from pipeline.engine.step_plan import StepPlan
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
+from pipeline.protocol import StepPlan
 
 GREEDY = SamplingParams()
 

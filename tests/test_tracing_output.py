@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pipeline import SamplingParams
 from pipeline.output.processor import OutputProcessor
 from pipeline.output.request_output import RequestOutput
-from pipeline.output.tracing import TracedOutputProcessor, matched_from_attributes
+from pipeline.output.spans import TracedOutputProcessor, matched_from_attributes
 from pipeline.protocol import ProtocolError, VerifyStep, encode
 from pipeline.tracing.otel import make_provider, resolve_config, traceparent_of
 

@@ -10,29 +10,9 @@ Invariants every proposer keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-
-import torch
 
 from pipeline.params import SamplingParams
-
-
-@dataclass
-class Proposal:
-    """Drafts for one step, aligned with the rids the step asked for.
-
-    `probs[i]` is the draft distribution q each token of `tokens[i]` was sampled from
-    ([len(tokens[i]), vocab], float32) when the proposer sampled; None means the drafts are
-    deterministic (a point mass on each token: greedy draft models, n-gram lookup).
-
-    `confidence[i][j]`, when the proposer can tell, estimates the chance that drafts 0..j of
-    request i are all accepted (so non-increasing in j; their sum is the expected accepted
-    length); a controller may verify only a prefix of the drafts by it. None: no estimate."""
-
-    tokens: list[list[int]]
-    probs: list[torch.Tensor | None] | None = None
-    confidence: list[list[float]] | None = None
-    seconds: float = 0.0  # time the proposer took (the engine's step-cost model uses it)
+from pipeline.protocol import Proposal  # the message a proposer fills (declared with the others)
 
 
 class Proposer(ABC):

@@ -10,9 +10,9 @@ from pipeline.draft.model import DraftModelProposer
 from pipeline.draft.ngram import NgramProposer
 from pipeline.draft.none import NoProposer
 from pipeline.draft.suffix import SuffixProposer, SuffixSettings
-from pipeline.engine.step_plan import StepPlan
 from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runners import build_runner
+from pipeline.protocol import StepPlan
 
 
 def draft_step(proposer: Proposer, plan: StepPlan,
@@ -29,12 +29,13 @@ def draft_step(proposer: Proposer, plan: StepPlan,
     for rid, tokens in plan.commits.items():
         proposer.commit(rid, tokens)
     start = time.perf_counter()
-    if proposer.scores_drafts and plan.caps:
-        # a floor above 1 no confidence can reach: no lookup (at a large batch, none at all)
-        caps = [0 if floor > 1.0 else cap for cap, floor in zip(plan.caps, plan.min_gains)]
-        proposal = proposer.propose(plan.decode, caps)
+    if proposer.scores_drafts and plan.min_gains:
+        # drafts up to the step's bound, kept by score; a floor above 1 no confidence can
+        # reach: no lookup (at a large batch, none at all)
+        asks = [0 if floor > 1.0 else b for b, floor in zip(plan.draft_bounds, plan.min_gains)]
+        proposal = proposer.propose(plan.decode, asks)
         _cut(proposal, keep_confident(proposal, plan.min_gains))
-    else:
+    else:  # exactly the controller's choice
         proposal = proposer.propose(plan.decode, plan.ks)
     if grammars:
         _cut(proposal, grammars.cut(plan.decode, proposal.tokens))

@@ -24,11 +24,11 @@ from pipeline.config import EngineConfig
 from pipeline.engine.scheduler import EngineRequest, Scheduler
 from pipeline.engine.spec_control import SpecController
 from pipeline.engine.stall import StallDetector, plan_tokens
-from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineDeadError
 from pipeline.output.request_output import RequestOutput
 from pipeline.output.request_state import count_into
 from pipeline.params import SamplingParams
+from pipeline.protocol import NewRequest, StepOutcome, StepPlan
 
 
 class Stages(Protocol):

@@ -12,12 +12,12 @@ from pipeline.config import EngineConfig
 from pipeline.draft.base import Proposer
 from pipeline.draft.step import build_proposer, draft_step
 from pipeline.engine.core import EngineCore
-from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runners import build_runner
 from pipeline.output.processor import OutputProcessor
 from pipeline.output.request_output import Completion, RequestOutput
 from pipeline.params import SamplingParams
+from pipeline.protocol import NewRequest, StepOutcome, StepPlan
 from pipeline.tokenizer import eos_token_ids
 from pipeline.verify.verifier import Verifier
 

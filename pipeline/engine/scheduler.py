@@ -21,9 +21,9 @@ from enum import Enum
 
 from pipeline.engine.admission import FairQueue
 from pipeline.engine.spec_control import SpecController, SpecSettings
-from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
+from pipeline.protocol import NewRequest, StepOutcome, StepPlan, draft_room
 
 
 class Status(Enum):
@@ -173,7 +173,7 @@ class Scheduler:
             plan.num_outputs.append(req.num_output)
             # No drafts past the output cap or past the slot's max_len.
             plan.ks.append(max(0, min(self.k, req.remaining - 1,
-                                      self.max_model_len - req.seq_len)))
+                                      draft_room(self.max_model_len, req.kv_len))))
         plan.caps = list(plan.ks)
         pinned = [r.params.seed is not None and r.params.temperature > 0 for r in decode]
         # a drain: nothing waits or will come, every running request is past its prefill

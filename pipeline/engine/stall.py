@@ -16,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from pipeline.engine.step_plan import StepPlan
+from pipeline.protocol import StepPlan
 
 WINDOW = 256  # recent steps the p99 is taken over
 MIN_SAMPLES = 16  # steps timed before the bound adapts
@@ -24,7 +24,7 @@ MIN_SAMPLES = 16  # steps timed before the bound adapts
 
 def plan_tokens(plan: StepPlan) -> int:
     """The tokens a step computes: its prefills' prompts, k + 1 per verified request."""
-    return sum(len(n.prompt_ids) for n in plan.new) + sum(k + 1 for k in (plan.caps or plan.ks))
+    return sum(len(n.prompt_ids) for n in plan.new) + sum(k + 1 for k in plan.draft_bounds)
 
 
 class StallDetector:

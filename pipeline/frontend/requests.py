@@ -14,7 +14,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.frontend.errors import bad_request, from_params_error, from_validation_error
-from pipeline.params import MAX_LOGPROBS, MAX_NEW_TOKENS_LIMIT, MAX_SEED, SamplingParams
+from pipeline.params import (
+    MAX_LOGPROBS,
+    MAX_NEW_TOKENS_LIMIT,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts per batched completions request
@@ -44,7 +50,7 @@ class StreamOptions(_Strict):
 class _CommonRequest(_Strict):
     model: str | None = None
     max_tokens: int | None = _documented(None, **_MAX_TOKENS)
-    temperature: float | None = _documented(None, minimum=0)
+    temperature: float | None = _documented(None, minimum=0, maximum=MAX_TEMPERATURE)
     top_p: float | None = _documented(None, exclusiveMinimum=0, maximum=1)
     top_k: int | None = _documented(None, minimum=-1)
     seed: int | None = _documented(None, minimum=0, maximum=MAX_SEED)
@@ -331,10 +337,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
         "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
         "min_new_tokens": req.min_tokens, "seed": choice_seed(req.seed, choice_index),
         "grammar": grammar}
-    if req.temperature is not None:
-        if req.temperature > 2.0:
-            raise bad_request(f"temperature: must be in [0, 2], got {req.temperature}",
-                              param="temperature")
+    if req.temperature is not None:  # its range is SamplingParams' rule (a 400 from below)
         kwargs["temperature"] = req.temperature
     if req.top_p is not None:
         kwargs["top_p"] = req.top_p

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.engine.step_plan import StepPlan
+from pipeline.protocol import StepPlan
 
 
 class GrammarTracker:

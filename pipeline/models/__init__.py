@@ -1,8 +1,8 @@
 """Model layer: Llama-family model, slot KV cache, attention backends, loaders, TP, runner."""
 
 from pipeline.models.config import ModelConfig
-from pipeline.models.factory import load_runner
 from pipeline.models.kv_cache import CacheFullError, KVCache
 from pipeline.models.runner import ModelRunner
+from pipeline.models.runners import load_runner
 
 __all__ = ["CacheFullError", "KVCache", "ModelConfig", "ModelRunner", "load_runner"]

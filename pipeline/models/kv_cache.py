@@ -62,9 +62,6 @@ class KVCache:
         self.lengths[slot] = 0
         bisect.insort(self._free, slot)
 
-    def is_owned(self, slot: int) -> bool:
-        return 0 <= slot < self.num_slots and self._owned[slot]
-
     def check_owned(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
             raise ValueError(f"unknown KV slot {slot!r} (have 0..{self.num_slots - 1})")

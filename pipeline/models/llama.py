@@ -149,10 +149,6 @@ class LlamaModel(nn.Module):
     def local_kv_heads(self) -> int:
         return self.layers[0].attn.n_kv_heads
 
-    @property
-    def local_heads(self) -> int:
-        return self.layers[0].attn.n_heads
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttnMetadata, logits_idx: torch.Tensor | None = None
                 ) -> torch.Tensor:

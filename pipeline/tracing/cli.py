@@ -5,7 +5,7 @@ exporter) and answers: which verify steps did a request take part in and which o
 where in its window and why; which requests did a step finish; and, without a filter, a summary.
 
 Per-request step numbers come from the `spec.request.*` arrays on `spec.verify_step` spans (see
-pipeline/output/tracing.py); for traces without them the steps are found through span links, with
+pipeline/output/spans.py); for traces without them the steps are found through span links, with
 the counts unknown.
 """
 
@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.output.tracing import FINISH_EVENT, REQUEST_SPAN, STEP_SPAN, matched_from_attributes
+from pipeline.output.spans import FINISH_EVENT, REQUEST_SPAN, STEP_SPAN, matched_from_attributes
 from pipeline.tracing.trace_file import SpanRecord, read_spans
 
 

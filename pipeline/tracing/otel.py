@@ -232,10 +232,6 @@ def get_tracer(name: str = TRACER_NAME) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def current_provider() -> TracerProvider | None:
-    return None if _installed is None else _installed.provider
-
-
 def flush_tracing(timeout_s: float = 10.0) -> bool:
     """Export every span this process has ended so far (the batch processor holds them for up to
     5 s); call before the process may end: at exit, on SIGTERM, before an actor is killed.

@@ -14,12 +14,10 @@ import time
 import numpy as np
 import torch
 
-from pipeline.draft.base import Proposal
-from pipeline.engine.step_plan import StepOutcome, StepPlan
 from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runner import ModelRunner
 from pipeline.params import SamplingParams
-from pipeline.protocol import StepColumns, encode_columns
+from pipeline.protocol import Proposal, StepColumns, StepOutcome, StepPlan, encode_columns
 from pipeline.sampling import SamplingTensors
 from pipeline.verify.acceptance import AcceptanceResult, accept, accept_greedy_packed
 
@@ -35,10 +33,6 @@ class Verifier:
         # The driver's grammar matchers mask the logits of constrained requests (the tokenizer
         # is only needed once one arrives).
         self.grammars = GrammarTracker(lambda: runner.tokenizer)
-
-    @property
-    def num_running(self) -> int:
-        return len(self._slots)
 
     def release(self, rids: list[str]) -> None:
         for rid in rids:
@@ -82,14 +76,11 @@ class Verifier:
         return outcome
 
     def _drafts(self, plan: StepPlan, proposal: Proposal | None) -> list[list[int]]:
-        """Drafts per decode rid, cut so the slot never grows past max_len."""
+        """Drafts per decode rid, at most the plan's bound and never past the slot's max_len."""
         if proposal is None:
             return [[] for _ in plan.decode]
-        out = []
-        for tokens, kv_len, k in zip(proposal.tokens, plan.kv_lens, plan.caps or plan.ks):
-            room = self.runner.max_len - kv_len - 1  # the last token takes one position
-            out.append(list(tokens[: max(0, min(k, room))]))
-        return out
+        limits = plan.draft_limits(self.runner.max_len)
+        return [list(tokens[:n]) for tokens, n in zip(proposal.tokens, limits)]
 
     def _forward(self, plan: StepPlan, drafts: list[list[int]]
                  ) -> tuple[list[torch.Tensor], float | None]:
@@ -125,7 +116,8 @@ class Verifier:
         offset = len(plan.new)
         for i, (p, d) in enumerate(zip(proposal.probs, drafts[offset:])):
             if p is not None and d:
-                q[offset + i, : len(d)] = p[: len(d)].to(q.device)
+                # a CPU tensor in process, a numpy array after crossing one (step_codec)
+                q[offset + i, : len(d)] = torch.as_tensor(p[: len(d)]).to(q.device)
         return q
 
 

@@ -25,7 +25,7 @@ import random
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CODE_FILES = ("pipeline/draft/ngram.py", "pipeline/engine/step_plan.py", "pipeline/params.py",
+CODE_FILES = ("pipeline/draft/ngram.py", "pipeline/protocol/messages.py", "pipeline/params.py",
               "pipeline/draft/none.py")
 DOC_FILES = ("README.md", "docs/benchmarks.md", "docs/reliability.md")
 EDITS = (

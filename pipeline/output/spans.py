@@ -1,5 +1,7 @@
-"""OutputProcessor with traces: one `spec.request` span per request, one `spec.verify_step` span per
-step, and a `spec.finish` event on the step that finished each request (DESIGN.md, *Traces*).
+"""The spans the output stage makes (pipeline/tracing/ is the set-up, file and reader they go
+through): an OutputProcessor with traces, one `spec.request` span per request, one
+`spec.verify_step` span per step, and a `spec.finish` event on the step that finished each request
+(DESIGN.md, *Traces*).
 
 Span and attribute names are DESIGN's. Added here (documented for `specrelay trace` and dashboards):
 

@@ -1,4 +1,4 @@
-"""The verifier -> output message: one verify step's accepted tokens, as versioned msgpack.
+"""The verifier -> output message (VerifyStep): one verify step's accepted tokens, as msgpack.
 
 Wire layout (a msgpack map; every array is little-endian numpy bytes in a msgpack `bin`, so a
 batch costs a handful of buffer copies instead of one Python object per token):
@@ -29,20 +29,20 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from pipeline.protocol.wire import (
+    MAX_BATCH,
+    MAX_DRAFTED,
+    MAX_PAYLOAD_BYTES,
+    MAX_RID_CHARS,
+    ProtocolError,
+)
+
 PROTOCOL_VERSION = 1
-MAX_PAYLOAD_BYTES = 64 << 20
-MAX_BATCH = 1 << 16
-MAX_DRAFTED = 1024
 MAX_TOP_N = 20
-MAX_RID_CHARS = 256
 _KEYS = frozenset({"v", "step", "rids", "len", "draft", "tok", "lp", "tn", "tid", "tlp", "tp", "t"})
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _I32 = np.dtype("<i4")
 _F64 = np.dtype("<f8")
-
-
-class ProtocolError(ValueError):
-    """A malformed verify-step message."""
 
 
 @dataclass

@@ -1,4 +1,13 @@
-"""What the engine tells the draft worker and every verifier rank for one step.
+"""The messages of one engine step, between the engine and its stages (draft, verifier ranks,
+output), declared together:
+
+    NewRequest   engine -> output stage (registration) and, inside a plan, -> draft and verifier
+    StepPlan     engine -> draft worker and every verifier rank
+    Proposal     draft worker -> verifier ranks
+    StepOutcome  verifier rank 0 -> engine (the full VerifyStep goes to the output stage)
+
+In one process they pass as these objects; between processes each is versioned msgpack
+(pipeline.protocol.step_codec), like the VerifyStep (pipeline.protocol.verify_step).
 
 Every stage keeps its own per-request state keyed by rid (slot, sequence), so a plan carries
 only ids and the few numbers that change per step. Order inside a stage: free `release`,
@@ -11,6 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.params import SamplingParams
+
+
+def draft_room(max_len: int, kv_len: int) -> int:
+    """Drafts that fit a slot of `max_len` positions holding `kv_len` committed tokens: the
+    request's newest token takes one position, each draft one more."""
+    return max(0, max_len - kv_len - 1)
 
 
 @dataclass
@@ -44,6 +59,37 @@ class StepPlan:
     def rids(self) -> list[str]:
         """The step's requests in message order: prefills, then verifies."""
         return [n.rid for n in self.new] + self.decode
+
+    @property
+    def draft_bounds(self) -> list[int]:
+        """Per decode rid, the most drafts this step may carry: the caps (the scheduler's room
+        and length rule; the controller's ks never exceed them), or ks when a plan has no caps.
+        Every stage reads the bound here: the drafter drafts no more, the verifier verifies no
+        more, the stall detector sizes the step by it."""
+        return self.caps or self.ks
+
+    def draft_limits(self, max_len: int) -> list[int]:
+        """`draft_bounds`, never past a slot of `max_len` positions (a plan built by hand)."""
+        return [min(b, draft_room(max_len, kv)) for b, kv in zip(self.draft_bounds, self.kv_lens)]
+
+
+@dataclass
+class Proposal:
+    """Drafts for one step, aligned with the rids the step asked for.
+
+    `probs[i]` is the draft distribution q each token of `tokens[i]` was sampled from
+    ([len(tokens[i]), vocab] float32: a CPU torch tensor from the proposer, a numpy array after
+    crossing a process) when the proposer sampled; None means the drafts are deterministic (a
+    point mass on each token: greedy draft models, n-gram lookup).
+
+    `confidence[i][j]`, when the proposer can tell, estimates the chance that drafts 0..j of
+    request i are all accepted (so non-increasing in j; their sum is the expected accepted
+    length); a controller may verify only a prefix of the drafts by it. None: no estimate."""
+
+    tokens: list[list[int]]
+    probs: list[Any | None] | None = None
+    confidence: list[list[float]] | None = None
+    seconds: float = 0.0  # time the proposer took (the engine's step-cost model uses it)
 
 
 @dataclass

@@ -1,0 +1,57 @@
+"""Every message between the engine and its stages, declared in one place (`messages`, and
+`verify_step` for the verifier -> output message), each versioned msgpack between processes
+(`step_codec`, `verify_step`) under one set of wire rules (`wire`). Imports nothing above it:
+every stage may import the protocol, the protocol imports no stage."""
+
+from pipeline.protocol.messages import (
+    NewRequest,
+    Proposal,
+    StepOutcome,
+    StepPlan,
+    draft_room,
+)
+from pipeline.protocol.step_codec import (
+    NEW_REQUEST_VERSION,
+    OUTCOME_VERSION,
+    PLAN_VERSION,
+    PROPOSAL_VERSION,
+    SAMPLING_FIELDS,
+    decode_new_request,
+    decode_outcome,
+    decode_plan,
+    decode_proposal,
+    encode_new_request,
+    encode_outcome,
+    encode_plan,
+    encode_proposal,
+)
+from pipeline.protocol.verify_step import (
+    _KEYS,
+    MAX_TOP_N,
+    PROTOCOL_VERSION,
+    StepColumns,
+    VerifyStep,
+    columns_from_step,
+    decode,
+    decode_columns,
+    encode,
+    encode_columns,
+    validate_columns,
+)
+from pipeline.protocol.wire import (
+    MAX_BATCH,
+    MAX_DRAFTED,
+    MAX_PAYLOAD_BYTES,
+    MAX_RID_CHARS,
+    ProtocolError,
+)
+
+__all__ = [
+    "MAX_BATCH", "MAX_DRAFTED", "MAX_PAYLOAD_BYTES", "MAX_RID_CHARS", "MAX_TOP_N",
+    "NEW_REQUEST_VERSION", "OUTCOME_VERSION", "PLAN_VERSION", "PROPOSAL_VERSION",
+    "PROTOCOL_VERSION", "SAMPLING_FIELDS", "_KEYS", "NewRequest", "Proposal", "ProtocolError",
+    "StepColumns", "StepOutcome", "StepPlan", "VerifyStep", "columns_from_step", "decode",
+    "decode_columns", "decode_new_request", "decode_outcome", "decode_plan", "decode_proposal",
+    "draft_room", "encode", "encode_columns", "encode_new_request", "encode_outcome",
+    "encode_plan", "encode_proposal", "validate_columns",
+]
