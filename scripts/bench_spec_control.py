@@ -1,4 +1,4 @@
-"""Benchmark the adaptive controller's own cost per decode step (pipeline.engine.spec_control).
+"""Benchmark the adaptive controller's own cost per decode step (pipeline.engine.spec.policy).
 
     .venv/bin/python scripts/bench_spec_control.py [--batches 8 32] [--steps 500] [--repeats 5]
 
@@ -26,7 +26,8 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from pipeline.engine.spec_control import SpecController, SpecSettings
+from pipeline.engine.spec.policy import SpecController
+from pipeline.spec_settings import SpecSettings
 
 MAX_K = 16
 
@@ -43,7 +44,7 @@ def step(c: SpecController, rids: list[str], rng: random.Random) -> None:
 def measure(batch: int, steps: int, seed: int) -> tuple[float, float]:
     """(wall ms, CPU ms) per step of one warmed controller."""
     rng = random.Random(seed)
-    c = SpecController(SpecSettings(mode="adaptive", max_k=MAX_K))
+    c = SpecController(SpecSettings(mode="adaptive", num_speculative_tokens=MAX_K))
     rids = [f"r{i}" for i in range(batch)]
     for _ in range(40):
         step(c, rids, rng)

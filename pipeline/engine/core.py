@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from pipeline.config import EngineConfig
 from pipeline.engine.scheduler import EngineRequest, Scheduler
-from pipeline.engine.spec_control import SpecController
+from pipeline.engine.spec.policy import SpecController
 from pipeline.engine.stall import StallDetector, plan_tokens
 from pipeline.engine.step_plan import NewRequest, StepOutcome, StepPlan
 from pipeline.errors import EngineDeadError
@@ -112,7 +112,7 @@ class EngineCore:
         self.tracer = tracer  # an OpenTelemetry tracer: one `spec.engine_step` span per step
         self.stages = stages
         self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
-                                   config.k, vocab_size,
+                                   config.num_speculative_tokens, vocab_size,
                                    reserved_slots=config.reserved_slots,
                                    spec=SpecController(config.spec_settings))
         self.stats = EngineStats()
