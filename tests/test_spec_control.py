@@ -14,6 +14,7 @@ from pipeline.engine.spec.cost import CostModel, StepCosts
 from pipeline.engine.spec.estimate import Acceptance
 from pipeline.engine.spec.plan import drain_plan, gains, rate_plan
 from pipeline.engine.spec.policy import EXPLORE_K, SpecController
+from pipeline.engine.spec.record import span_attributes
 from pipeline.spec_settings import SpecSettings
 
 
@@ -779,3 +780,58 @@ def test_at_batch_1_how_often_a_draft_comes_does_not_decide_whether_to_ask(offer
     costs = (0.06, 0.0025, 0.0, 0.04)
     assert rate_plan([gains([0.4] * 8, 8)], [offered], costs)[0] == [0]
     assert rate_plan([gains([0.9] * 8, 8)], [offered], costs)[0][0] > 0
+
+
+def test_the_decision_record_says_why_each_k():
+    c = controller(probe_every=3)
+    assert c.decision() is None  # nothing planned yet
+    assert c.choose(["a", "b"], [4, 4]) == [0, 0]
+    off = c.decision()
+    assert (off.plan, off.ks, off.caps, off.why, off.gain, off.costs) == (
+        "off", [0, 0], [4, 4], ["plan", "plan"], None, None)  # nothing measured at batch 2
+    trained(c, base=0.05, per_row=0.01)
+    for _ in range(20):  # b's drafts are all kept, a's all rejected
+        c.choose(["a", "b"], [4, 4])
+        c.observe(["a", "b"], [4, 4], [1, 5], None)
+    ks = c.choose(["a", "b"], [4, 2], pinned=[False, False])
+    d = c.decision()
+    assert d.plan == "rate" and d.rids == ["a", "b"] and d.ks == ks and d.caps == [4, 2]
+    assert ks[0] in (0, 1) and ks[1] == 2
+    want = [gains(c.estimate(r), cap) for r, cap in zip(["a", "b"], [4, 2])]
+    assert d.acceptance == [c.estimate("a")[0], c.estimate("b")[0]]
+    assert d.gain == [sum(g[:k]) for g, k in zip(want, ks)]
+    assert d.next_gain == [want[0][ks[0]], 0.0]  # b is at its cap
+    assert d.floor == c.floor and d.rate is not None
+    base, per_row, per_draft, per_verify = d.costs
+    assert d.step_s == pytest.approx(base + per_row * sum(ks) + per_draft * 2 + per_verify)
+    c.observe(["a", "b"], ks, [1, 3], None)
+    whys = []
+    for _ in range(4):  # a, at 0, is probed once its wait is over
+        ks = c.choose(["a", "b"], [4, 4], pinned=[False, True])
+        whys.append(c.decision().why)
+        c.observe(["a", "b"], ks, [1, 5], None)
+    assert ["probe", "pinned"] in whys and all(w[1] == "pinned" for w in whys)
+    c.choose(["a", "b"], [4, 4], remaining=[3, 40])
+    assert c.decision().plan == "drain"
+    f = controller("fixed")
+    f.choose(["a"], [3])
+    assert (f.decision().plan, f.decision().ks, f.decision().why) == ("fixed", [3], ["plan"])
+
+
+def test_the_decision_becomes_aligned_span_attributes_with_prefills_first():
+    c = controller()
+    trained(c, base=0.05, per_row=0.01)
+    ks = c.choose(["a", "b"], [4, 1])
+    attrs = span_attributes(c.decision(), ["new"])
+    assert attrs["spec.request.ids"] == ("new", "a", "b")
+    assert attrs["spec.control.k"] == (0, *ks) and attrs["spec.control.cap"] == (0, 4, 1)
+    assert attrs["spec.control.why"] == ("prefill", "plan", "plan")
+    assert attrs["spec.control.plan"] == "rate"
+    for name in ("acceptance", "gain", "next_gain", "offered"):
+        assert len(attrs[f"spec.control.{name}"]) == 3
+    assert {"spec.control.cost.base_s", "spec.control.step_s", "spec.control.rate"} <= set(attrs)
+    c2 = controller()
+    c2.choose(["a"], [4])  # off: no estimate used, no cost known, floor infinite
+    attrs = span_attributes(c2.decision(), [])
+    assert attrs["spec.control.plan"] == "off" and "spec.control.gain" not in attrs
+    assert "spec.control.floor" not in attrs and "spec.control.step_s" not in attrs

@@ -47,12 +47,15 @@ class Decision:
     rate: float | None = None
 
 
-def span_attributes(decision: Decision, prefills: list[str]) -> dict[str, Any]:
+def span_attributes(decision: Decision | None, prefills: list[str]) -> dict[str, Any]:
     """`spec.request.ids` (the step's requests in message order: `prefills`, then the decodes)
     and the `spec.control.*` attributes aligned with it; a prefill gets k = cap = 0, why
-    "prefill" and 0.0 for the estimates."""
+    "prefill" and 0.0 for the estimates. `decision` None: a step of prefills only."""
     n = len(prefills)
     zeros = (0,) * n
+    if decision is None:
+        return {"spec.request.ids": tuple(prefills), "spec.control.k": zeros,
+                "spec.control.cap": zeros, "spec.control.why": ("prefill",) * n}
     attrs: dict[str, Any] = {
         "spec.request.ids": (*prefills, *decision.rids),
         "spec.control.plan": decision.plan,
