@@ -293,7 +293,7 @@ class Engine:
             "vocab_size": info.get("vocab_size"),
             "eos_token_ids": info.get("eos_token_ids", []),
             "draft": self.config.draft,
-            "num_speculative_tokens": self.config.k,
+            "num_speculative_tokens": self.config.num_speculative_tokens,
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 

@@ -9,11 +9,13 @@ from typing import Any
 
 import yaml
 
-from pipeline.engine.spec_control import SpecSettings
-from pipeline.engine.spec_control import validate as validate_spec
+from pipeline import validate as check
 from pipeline.gc_tuning import DEFAULT_GEN0_THRESHOLD
 from pipeline.model_files import smollm2_path
 from pipeline.placement import Placement, parse_placement
+from pipeline.spec_settings import FIELDS as SPEC_FIELDS
+from pipeline.spec_settings import SpecSettings, config_name
+from pipeline.spec_settings import validate as validate_spec
 
 DRAFT_KINDS = ("ngram", "suffix", "model", "none")
 BACKENDS = ("auto", "sdpa", "flash")
@@ -30,18 +32,18 @@ class EngineConfig:
     draft: str = "ngram"  # ngram | suffix | model | none
     draft_model: str | None = None  # for draft: model; `tiny:<seed>` pairs with `model: tiny:<seed>`
     draft_agreement_noise: float = 0.1  # tiny draft only: weight noise vs the target
-    num_speculative_tokens: int = 4  # most drafts per request and step
-    # adaptive: per request and step, k in 0..num_speculative_tokens from the request's own
-    # acceptance and the measured step cost (pipeline.engine.spec_control); fixed: always the most.
-    speculation: str = "adaptive"
-    spec_ema_alpha: float = 0.25  # weight of the newest step in the per-position acceptance EMA
-    spec_prior: float = 0.5  # pooled acceptance assumed before any draft has been verified
-    spec_probe_every: int = 8  # steps without a verified draft before a probe
-    spec_probe_backoff: int = 8  # a rejected probe doubles the wait, up to probe_every x this
-    spec_cost_decay: float = 0.97  # per-step decay of the step-cost model's past observations
-    spec_prior_weight: float = 2.0  # observations the pooled acceptance counts as per request
-    spec_pool_alpha: float = 0.05  # weight of the newest request-step in the pooled EMA
-    spec_margin: float = 1.5  # at batch b > 1 a draft must gain 1 + 0.5 (b - 1) / b x its cost
+    # Speculation (pipeline.spec_settings.SpecSettings holds their defaults, meaning and ranges;
+    # `speculation` is its `mode`, `spec_<x>` its `<x>`).
+    num_speculative_tokens: int = SpecSettings.num_speculative_tokens  # most drafts per step
+    speculation: str = SpecSettings.mode  # adaptive | fixed
+    spec_ema_alpha: float = SpecSettings.ema_alpha
+    spec_prior: float = SpecSettings.prior
+    spec_probe_every: int = SpecSettings.probe_every
+    spec_probe_backoff: int = SpecSettings.probe_backoff
+    spec_cost_decay: float = SpecSettings.cost_decay
+    spec_prior_weight: float = SpecSettings.prior_weight
+    spec_pool_alpha: float = SpecSettings.pool_alpha
+    spec_margin: float = SpecSettings.margin
     tensor_parallel_size: int = 1
     num_slots: int = 8
     max_model_len: int = 2048
@@ -80,30 +82,26 @@ class EngineConfig:
     placement: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _positive_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)
-        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        _positive_int("num_slots", self.num_slots)
-        _positive_int("max_model_len", self.max_model_len, minimum=2)
-        _positive_int("max_waiting", self.max_waiting, minimum=0)
-        _positive_int("reserved_slots", self.reserved_slots, minimum=0)
-        _positive_int("ngram_min_n", self.ngram_min_n)
-        _positive_int("ngram_max_n", self.ngram_max_n, minimum=self.ngram_min_n)
-        _positive_int("suffix_max_depth", self.suffix_max_depth)
-        _positive_int("suffix_global_requests", self.suffix_global_requests)
-        _positive_int("suffix_global_tokens", self.suffix_global_tokens, minimum=64)
-        _positive_number("suffix_spec_factor", self.suffix_spec_factor)
-        if isinstance(self.suffix_min_score, bool) or not isinstance(
-                self.suffix_min_score, (int, float)) or not 0 <= self.suffix_min_score <= 1:
-            raise ValueError(f"suffix_min_score: must be a number in [0, 1], "
-                             f"got {self.suffix_min_score!r}")
-        if self.torch_threads is not None:
-            _positive_int("torch_threads", self.torch_threads)
-        if self.gc_gen0_threshold is not None:
-            _positive_int("gc_gen0_threshold", self.gc_gen0_threshold, minimum=100)
-        _choice("draft", self.draft, DRAFT_KINDS)
         validate_spec(self.spec_settings)
-        _choice("attention_backend", self.attention_backend, BACKENDS)
-        _choice("dtype", self.dtype, DTYPES)
+        check.integer("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check.integer("num_slots", self.num_slots, 1)
+        check.integer("max_model_len", self.max_model_len, 2)
+        check.integer("max_waiting", self.max_waiting, 0)
+        check.integer("reserved_slots", self.reserved_slots, 0)
+        check.integer("ngram_min_n", self.ngram_min_n, 1)
+        check.integer("ngram_max_n", self.ngram_max_n, self.ngram_min_n)
+        check.integer("suffix_max_depth", self.suffix_max_depth, 1)
+        check.integer("suffix_global_requests", self.suffix_global_requests, 1)
+        check.integer("suffix_global_tokens", self.suffix_global_tokens, 64)
+        check.positive("suffix_spec_factor", self.suffix_spec_factor)
+        check.number("suffix_min_score", self.suffix_min_score, lo=0, hi=1)
+        if self.torch_threads is not None:
+            check.integer("torch_threads", self.torch_threads, 1)
+        if self.gc_gen0_threshold is not None:
+            check.integer("gc_gen0_threshold", self.gc_gen0_threshold, 100)
+        check.choice("draft", self.draft, DRAFT_KINDS)
+        check.choice("attention_backend", self.attention_backend, BACKENDS)
+        check.choice("dtype", self.dtype, DTYPES)
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model: must be a non-empty model source")
         if self.draft == "model" and not self.draft_model:
@@ -113,9 +111,8 @@ class EngineConfig:
         elif self.num_speculative_tokens == 0:
             raise ValueError("num_speculative_tokens: must be >= 1 with a draft (or use draft: none)")
         for name in ("step_timeout_s", "step_timeout_floor_s", "step_timeout_p99_multiple"):
-            _positive_number(name, getattr(self, name))
-        if not isinstance(self.draft_agreement_noise, (int, float)) or self.draft_agreement_noise < 0:
-            raise ValueError("draft_agreement_noise: must be a number >= 0")
+            check.positive(name, getattr(self, name))
+        check.number("draft_agreement_noise", self.draft_agreement_noise, lo=0)
         if self.overlap is not True and self.overlap is not False:
             raise ValueError("overlap: must be a boolean")
         if type(self.tracing) is not dict:
@@ -129,20 +126,11 @@ class EngineConfig:
 
     @property
     def spec_settings(self) -> SpecSettings:
-        return SpecSettings(
-            mode=self.speculation, max_k=self.num_speculative_tokens,
-            ema_alpha=self.spec_ema_alpha, prior=self.spec_prior,
-            probe_every=self.spec_probe_every, probe_backoff=self.spec_probe_backoff,
-            cost_decay=self.spec_cost_decay, prior_weight=self.spec_prior_weight,
-            pool_alpha=self.spec_pool_alpha, margin=self.spec_margin)
+        return SpecSettings(**{f: getattr(self, config_name(f)) for f in SPEC_FIELDS})
 
     @property
     def placement_spec(self) -> Placement:
         return parse_placement(self.placement)
-
-    @property
-    def k(self) -> int:
-        return self.num_speculative_tokens
 
     @property
     def served_name(self) -> str:
@@ -209,19 +197,3 @@ def _check_tracing(tracing: dict[str, Any]) -> None:
         resolve_config("specrelay", tracing, environ={})
     except (ValueError, TypeError) as e:
         raise ValueError(f"tracing: {e}") from None
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
-
-
-def _positive_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-            or value == float("inf"):
-        raise ValueError(f"{name}: must be a positive number, got {value!r}")
-
-
-def _choice(name: str, value: Any, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ValueError(f"{name}: must be one of {', '.join(options)}, got {value!r}")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipeline import validate as check
 
 # Bounds that keep one request from costing the server unbounded work or memory.
 MAX_STOP_STRINGS = 64
@@ -43,8 +44,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
-        _check_int("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
+        check.integer("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        check.integer("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
@@ -55,22 +56,17 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0, (1 << 31) - 1)
+            check.integer("stop_token_ids", t, 0, (1 << 31) - 1)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        _check_float("temperature", self.temperature)
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], "
-                             f"got {self.temperature}")
-        _check_float("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, -1, 1 << 31)
+            check.integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        check.number("temperature", self.temperature, lo=0, hi=MAX_TEMPERATURE)
+        check.number("top_p", self.top_p, lo=0, hi=1, lo_open=True)
+        check.integer("top_k", self.top_k, -1, 1 << 31)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, MAX_SEED)
+            check.integer("seed", self.seed, 0, MAX_SEED)
         if (self.grammar is not None and not callable(self.grammar)
                 and not hasattr(self.grammar, "matcher")):
             raise ValueError("grammar: must be a compiled Grammar or a matcher factory")
@@ -78,17 +74,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
-
-
-def _check_float(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: must be finite, got {value}")

@@ -4,7 +4,7 @@ Hugging Face `generate` (plain and prompt lookup) as the outside baseline, in on
     .venv/bin/python scripts/bench_engine.py [--max-tokens 64] [--reps 3] [--plan copy:1,8] ...
 
 Modes: `none` (target only), `adaptive` (n-gram drafts, k chosen per request and step by
-pipeline.engine.spec_control, up to the largest fixed k), `k2` / `k4` / `k8` (n-gram drafts, fixed
+pipeline.engine.spec, up to the largest fixed k), `k2` / `k4` / `k8` (n-gram drafts, fixed
 k), `model` (a draft model, adaptive), `suffix` (suffix drafts, pipeline.draft.suffix, adaptive
 up to SUFFIX_K) and `suffix-fixed` (suffix drafts, k = SUFFIX_K: only the drafts' own score cuts).
 SmolLM2-135M has no smaller sibling here, so the `model` draft is a STAND-IN: the target's own

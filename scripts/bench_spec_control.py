@@ -1,6 +1,7 @@
-"""Benchmark the adaptive controller's own cost per decode step (pipeline.engine.spec_control).
+"""Benchmark the adaptive controller's own cost per decode step (pipeline.engine.spec.policy).
 
     .venv/bin/python scripts/bench_spec_control.py [--batches 8 32] [--steps 500] [--repeats 5]
+        [--trace]
 
 Each step is what the engine asks of the controller: `choose` (k per request), `min_gains` and
 `observe` (the step's outcome). The batch is synthetic and seeded: up to 16 drafts a request,
@@ -9,7 +10,11 @@ controller is warmed for 40 steps first, so its cost model is known and its rows
 explore steps). Prints the median over repeats of the per-step time, as wall time and as this
 process's CPU time, with the spread ((max - min) / median), the commit and whether the tree was
 dirty. The controller runs on the engine's thread between forwards, so every microsecond here is
-added to every step (chat at batch 8 on SmolLM2: a step is ~88 ms).
+added to every step.
+
+`--trace` adds what a sampled engine step adds on top (pipeline.engine.core `_start_span`): a
+recording span (SDK tracer, spans dropped at export) carrying the decision record as
+`spec.control.*` attributes, measured the same way.
 """
 
 from __future__ import annotations
@@ -26,13 +31,20 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from pipeline.engine.spec_control import SpecController, SpecSettings
+from pipeline.engine.spec.policy import SpecController
+from pipeline.engine.spec.record import span_attributes
+from pipeline.spec_settings import SpecSettings
 
 MAX_K = 16
 
 
-def step(c: SpecController, rids: list[str], rng: random.Random) -> None:
+def step(c: SpecController, rids: list[str], rng: random.Random, tracer=None) -> None:
     ks = c.choose(rids, [MAX_K] * len(rids))
+    if tracer is not None:
+        span = tracer.start_span("spec.engine_step", attributes={"spec.step": 0})
+        if span.is_recording():
+            span.set_attributes(span_attributes(c.decision(), []))
+        span.end()
     c.min_gains(rids)
     drafted = [min(k, rng.choice([0, 0, 2, 4, 8])) for k in ks]
     kept = [1 + rng.randint(0, d) for d in drafted]
@@ -40,16 +52,29 @@ def step(c: SpecController, rids: list[str], rng: random.Random) -> None:
     c.observe(rids, drafted, kept, seconds)
 
 
-def measure(batch: int, steps: int, seed: int) -> tuple[float, float]:
+def discarding_tracer():
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from pipeline.tracing.otel import make_provider, resolve_config
+
+    class Discard(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    cfg = resolve_config("bench", {"sample_ratio": 1.0}, environ={})
+    return make_provider(cfg, Discard()).get_tracer("specrelay")
+
+
+def measure(batch: int, steps: int, seed: int, tracer=None) -> tuple[float, float]:
     """(wall ms, CPU ms) per step of one warmed controller."""
     rng = random.Random(seed)
-    c = SpecController(SpecSettings(mode="adaptive", max_k=MAX_K))
+    c = SpecController(SpecSettings(mode="adaptive", num_speculative_tokens=MAX_K))
     rids = [f"r{i}" for i in range(batch)]
     for _ in range(40):
         step(c, rids, rng)
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
-        step(c, rids, rng)
+        step(c, rids, rng, tracer)
     return ((time.perf_counter() - t0) * 1e3 / steps, (time.process_time() - c0) * 1e3 / steps)
 
 
@@ -63,12 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--trace", action="store_true",
+                    help="also a sampled engine step span with the decision attributes")
     args = ap.parse_args(argv)
+    tracer = discarding_tracer() if args.trace else None
     out: dict = {"commit": git("rev-parse", "--short", "HEAD"),
                  "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
                  "batches": {}}
     for b in args.batches:
-        runs = [measure(b, args.steps, seed) for seed in range(args.repeats)]
+        runs = [measure(b, args.steps, seed, tracer) for seed in range(args.repeats)]
         wall, cpu = ([r[i] for r in runs] for i in (0, 1))
         med = statistics.median(wall)
         out["batches"][b] = {"wall_ms_per_step": med, "cpu_ms_per_step": statistics.median(cpu),

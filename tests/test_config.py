@@ -18,7 +18,7 @@ def test_every_shipped_config_loads(path):
 
 def test_smollm2_default_config_values():
     config = load_config("configs/smollm2-cpu.yaml")
-    assert (config.model, config.draft, config.k) == ("smollm2", "ngram", 4)
+    assert (config.model, config.draft, config.num_speculative_tokens) == ("smollm2", "ngram", 4)
     assert config.served_name == "SmolLM2-135M-Instruct"
 
 

@@ -87,7 +87,7 @@ def test_rendered_serve_config_builds_a_replica_config(name):
     assert config.draft == values["specrelay"]["draft"]["kind"]
     assert config.tensor_parallel_size == values["specrelay"]["tensorParallelSize"]
     if config.draft != "none":
-        assert config.k == values["specrelay"]["draft"]["numSpeculativeTokens"]
+        assert config.num_speculative_tokens == values["specrelay"]["draft"]["numSpeculativeTokens"]
     assert settings.api_key is None  # the key comes from the env the chart sets (below)
     group = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = int(group["rayStartParams"]["num-gpus"]) * group["replicas"]

@@ -7,10 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.engine.scheduler import Scheduler
-from pipeline.engine.spec_control import SpecController, SpecSettings
+from pipeline.engine.spec.policy import SpecController
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepOutcome
+from pipeline.spec_settings import SpecSettings
 
 
 def make(num_slots=2, max_waiting=3, max_model_len=32, k=4, reserved_slots=0) -> Scheduler:

@@ -1,4 +1,4 @@
-"""Adaptive speculation's choice of k (pipeline.engine.spec_control), with literal expectations."""
+"""Adaptive speculation's choice of k (pipeline.engine.spec), with literal expectations."""
 
 from __future__ import annotations
 
@@ -10,23 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import load_config
-from pipeline.engine.spec_control import (
-    EXPLORE_K,
-    Acceptance,
-    CostModel,
-    SpecController,
-    SpecSettings,
-    StepCosts,
-    drain_plan,
-    gains,
-    rate_plan,
-)
+from pipeline.engine.spec.cost import CostModel, StepCosts
+from pipeline.engine.spec.estimate import Acceptance
+from pipeline.engine.spec.plan import drain_plan, gains, rate_plan
+from pipeline.engine.spec.policy import EXPLORE_K, SpecController
+from pipeline.engine.spec.record import span_attributes
+from pipeline.spec_settings import SpecSettings
 
 
-def controller(mode: str = "adaptive", max_k: int = 4, **kw) -> SpecController:
+def controller(mode: str = "adaptive", num_speculative_tokens: int = 4, **kw) -> SpecController:
     """A controller that verifies every draft that pays at all (margin 1) unless told."""
     kw.setdefault("margin", 1.0)
-    return SpecController(SpecSettings(mode, max_k, **kw))
+    return SpecController(SpecSettings(mode, num_speculative_tokens, **kw))
 
 
 def trained(c: SpecController, base: float, per_row: float, steps: int = 150) -> None:
@@ -111,7 +106,7 @@ def _teach_pool(c: SpecController, kept: list[int]) -> None:
 
 
 def test_the_fixed_cost_of_verifying_any_draft_is_learned_apart_from_the_rows():
-    c = controller(max_k=8, probe_every=1000)
+    c = controller(num_speculative_tokens=8, probe_every=1000)
     _batch1_costs(c)
     base, per_row, per_draft, per_verify = c.cost.coefficients(1)
     assert base == pytest.approx(0.06, abs=1e-3)
@@ -123,13 +118,13 @@ def test_a_draft_that_cannot_pay_for_the_verify_step_is_not_verified_at_batch_1(
     # p = 0.4 a position: 1 draft yields 1.4 tokens in 102.5 ms, 3 drafts 1.62 in 107.5, 8
     # drafts 1.67 in 120, a plain decode 1 in 60 (16.7 tokens/s against at best 15.1). A line
     # through the step times prices a 1-draft step far below its 102.5 ms and drafts.
-    c = controller(max_k=8, probe_every=1000)
+    c = controller(num_speculative_tokens=8, probe_every=1000)
     _batch1_costs(c)
     _teach_pool(c, [1, 0, 1, 0, 0])
     assert c.pooled()[0] == pytest.approx(0.4, abs=0.05)
     assert c.choose(["r"], [8]) == [0]
     # copied text (p = 0.9): the fixed cost is shared by many kept drafts, so draft them all
-    c2 = controller(max_k=8, probe_every=1000)
+    c2 = controller(num_speculative_tokens=8, probe_every=1000)
     _batch1_costs(c2)
     _teach_pool(c2, [1] * 9 + [0])
     assert c2.choose(["r"], [8]) == [8]
@@ -455,7 +450,7 @@ def test_the_margin_drops_drafts_that_pay_only_a_little():
     rids = [f"r{i}" for i in range(8)]
     ks = {}
     for margin in (1.0, 1.5):
-        c = controller(margin=margin, max_k=1)
+        c = controller(margin=margin, num_speculative_tokens=1)
         trained(c, base=0.05, per_row=0.01)
         c.choose(rids, [1] * 8)
         for t in range(40):
@@ -492,7 +487,7 @@ def test_at_batch_1_the_margin_does_not_apply():
     # batch 1 whatever the margin (no other request waits on its row; margin 5 would ask 1.0)
     ks = []
     for margin in (1.0, 5.0):
-        c = controller(margin=margin, max_k=1)
+        c = controller(margin=margin, num_speculative_tokens=1)
         trained(c, base=0.04, per_row=0.01)
         c.choose(["a"], [1])
         for t in range(40):
@@ -506,7 +501,7 @@ def test_inside_a_run_and_at_its_edge_are_estimated_apart():
     # Copy-like text: runs of fully accepted drafts between stretches where the first draft is
     # rejected. One average would draft alike everywhere; the two states draft long inside a
     # run and little at its edge.
-    c = controller(max_k=4)
+    c = controller(num_speculative_tokens=4)
     trained(c, base=0.05, per_row=0.03)
     c.choose(["a"], [4])  # its state starts at its first step
     for _ in range(6):
@@ -526,7 +521,7 @@ def test_inside_a_run_and_at_its_edge_are_estimated_apart():
 def test_a_probe_kept_whole_does_not_start_a_run():
     # The in-run pool learned on copied text says "draft long"; a chat request whose lone probe
     # happens to match must not draft that long on the strength of one token.
-    c = controller(max_k=4, probe_every=2)
+    c = controller(num_speculative_tokens=4, probe_every=2)
     trained(c, base=0.05, per_row=0.01)
     c.choose(["copy"], [4])
     for _ in range(20):  # copied text: every draft kept, then a run of them
@@ -553,7 +548,7 @@ def test_the_pools_forget_positions_nobody_drafted_lately():
     # position or a run, so unfaded those ~1.0 would stand for ever and a chat request entering
     # a run would draft the copies' length. Faded each step, evidence not renewed falls back
     # towards the carried prior; evidence renewed each step keeps its weight.
-    c = controller(max_k=8)
+    c = controller(num_speculative_tokens=8)
     trained(c, base=0.05, per_row=0.01)
     for i in range(30):  # copies: every draft kept, in a run after the first step
         c.choose([f"copy{i}"], [8])
@@ -571,7 +566,7 @@ def test_the_pools_forget_positions_nobody_drafted_lately():
     assert cold[1] < 0.1  # renewed: the second draft never kept
     assert hot == pytest.approx([0.5] * 8, abs=0.01)  # no run for 200 steps: the prior again
     # a step's fade applies once, whatever the batch, and only in a step that verified a draft
-    d = controller(max_k=2)
+    d = controller(num_speculative_tokens=2)
     d.observe(["a", "b", "c"], [1, 1, 1], [2, 2, 2], None)
     d.observe(["a"], [0], [1], None)
     assert d.pool.seen == pytest.approx([3.0, 0.0])
@@ -583,7 +578,7 @@ def test_plain_steps_between_copies_leave_the_pools_as_they_were():
     # Mix at batch 1: a chat request decodes ~60 plain steps between two copies. Those steps
     # verify nothing and say nothing about any position; faded per step, the copies' in-run
     # evidence fell back to the prior and the next copy started its runs short.
-    c = controller(max_k=8)
+    c = controller(num_speculative_tokens=8)
     trained(c, base=0.05, per_row=0.01)
     c.choose(["copy"], [8])
     for _ in range(20):
@@ -661,7 +656,7 @@ def test_in_a_drain_drafts_that_pay_plan_without_the_margin():
     # them all brings the batch's end ~1.8x sooner for 1.6x the step. Planned with the margin
     # there, none drafted, and the tie spared all of them.
     rids = [f"r{i}" for i in range(8)]
-    c = controller(margin=1.5, max_k=1)
+    c = controller(margin=1.5, num_speculative_tokens=1)
     trained(c, base=0.05, per_row=0.01)
     c.choose(rids, [1] * 8)
     for t in range(40):
@@ -676,7 +671,7 @@ def test_in_a_drain_drafts_that_pay_plan_without_the_margin():
 def test_measuring_a_class_drafts_at_most_explore_k_a_request():
     # copy at batch 32 with a cap of 16: the whole cap was 544 rows in one step (~1.3 s of a
     # 19 s wave); EXPLORE_K a request measures the rows as well. Pinned requests keep their cap.
-    c = controller(max_k=16)
+    c = controller(num_speculative_tokens=16)
     rids = [f"r{i}" for i in range(32)]
     c.choose(rids, [16] * 32)
     c.observe(rids, [0] * 32, [1] * 32, 0.16)  # a plain step: known, its rows unmeasured
@@ -785,3 +780,58 @@ def test_at_batch_1_how_often_a_draft_comes_does_not_decide_whether_to_ask(offer
     costs = (0.06, 0.0025, 0.0, 0.04)
     assert rate_plan([gains([0.4] * 8, 8)], [offered], costs)[0] == [0]
     assert rate_plan([gains([0.9] * 8, 8)], [offered], costs)[0][0] > 0
+
+
+def test_the_decision_record_says_why_each_k():
+    c = controller(probe_every=3)
+    assert c.decision() is None  # nothing planned yet
+    assert c.choose(["a", "b"], [4, 4]) == [0, 0]
+    off = c.decision()
+    assert (off.plan, off.ks, off.caps, off.why, off.gain, off.costs) == (
+        "off", [0, 0], [4, 4], ["plan", "plan"], None, None)  # nothing measured at batch 2
+    trained(c, base=0.05, per_row=0.01)
+    for _ in range(20):  # b's drafts are all kept, a's all rejected
+        c.choose(["a", "b"], [4, 4])
+        c.observe(["a", "b"], [4, 4], [1, 5], None)
+    ks = c.choose(["a", "b"], [4, 2], pinned=[False, False])
+    d = c.decision()
+    assert d.plan == "rate" and d.rids == ["a", "b"] and d.ks == ks and d.caps == [4, 2]
+    assert ks[0] in (0, 1) and ks[1] == 2
+    want = [gains(c.estimate(r), cap) for r, cap in zip(["a", "b"], [4, 2])]
+    assert d.acceptance == [c.estimate("a")[0], c.estimate("b")[0]]
+    assert d.gain == [sum(g[:k]) for g, k in zip(want, ks)]
+    assert d.next_gain == [want[0][ks[0]], 0.0]  # b is at its cap
+    assert d.floor == c.floor and d.rate is not None
+    base, per_row, per_draft, per_verify = d.costs
+    assert d.step_s == pytest.approx(base + per_row * sum(ks) + per_draft * 2 + per_verify)
+    c.observe(["a", "b"], ks, [1, 3], None)
+    whys = []
+    for _ in range(4):  # a, at 0, is probed once its wait is over
+        ks = c.choose(["a", "b"], [4, 4], pinned=[False, True])
+        whys.append(c.decision().why)
+        c.observe(["a", "b"], ks, [1, 5], None)
+    assert ["probe", "pinned"] in whys and all(w[1] == "pinned" for w in whys)
+    c.choose(["a", "b"], [4, 4], remaining=[3, 40])
+    assert c.decision().plan == "drain"
+    f = controller("fixed")
+    f.choose(["a"], [3])
+    assert (f.decision().plan, f.decision().ks, f.decision().why) == ("fixed", [3], ["plan"])
+
+
+def test_the_decision_becomes_aligned_span_attributes_with_prefills_first():
+    c = controller()
+    trained(c, base=0.05, per_row=0.01)
+    ks = c.choose(["a", "b"], [4, 1])
+    attrs = span_attributes(c.decision(), ["new"])
+    assert attrs["spec.request.ids"] == ("new", "a", "b")
+    assert attrs["spec.control.k"] == (0, *ks) and attrs["spec.control.cap"] == (0, 4, 1)
+    assert attrs["spec.control.why"] == ("prefill", "plan", "plan")
+    assert attrs["spec.control.plan"] == "rate"
+    for name in ("acceptance", "gain", "next_gain", "offered"):
+        assert len(attrs[f"spec.control.{name}"]) == 3
+    assert {"spec.control.cost.base_s", "spec.control.step_s", "spec.control.rate"} <= set(attrs)
+    c2 = controller()
+    c2.choose(["a"], [4])  # off: no estimate used, no cost known, floor infinite
+    attrs = span_attributes(c2.decision(), [])
+    assert attrs["spec.control.plan"] == "off" and "spec.control.gain" not in attrs
+    assert "spec.control.floor" not in attrs and "spec.control.step_s" not in attrs

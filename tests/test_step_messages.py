@@ -264,7 +264,7 @@ def test_a_malformed_message_is_refused_with_the_field_named(kind, changes, erro
 def test_bad_sampling_params_on_the_wire_are_refused_naming_the_field():
     msg = msgpack.unpackb(ENCODED["new"])
     msg["params"]["top_p"] = 0.0
-    with pytest.raises(ProtocolError, match=r"new.params: top_p: must be in \(0, 1\]"):
+    with pytest.raises(ProtocolError, match=r"new.params: top_p: must be a finite number in \(0, 1\]"):
         decode_new_request(msgpack.packb(msg))
 
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from pipeline.config import EngineConfig
 from pipeline.engine.scheduler import EngineRequest, Scheduler
-from pipeline.engine.spec_control import SpecController
+from pipeline.engine.spec.policy import SpecController
 from pipeline.engine.stall import StallDetector, plan_tokens
 from pipeline.errors import EngineDeadError
 from pipeline.output.request_output import RequestOutput
@@ -112,7 +112,7 @@ class EngineCore:
         self.tracer = tracer  # an OpenTelemetry tracer: one `spec.engine_step` span per step
         self.stages = stages
         self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
-                                   config.k, vocab_size,
+                                   config.num_speculative_tokens, vocab_size,
                                    reserved_slots=config.reserved_slots,
                                    spec=SpecController(config.spec_settings))
         self.stats = EngineStats()
@@ -280,16 +280,21 @@ class EngineCore:
         return None
 
     def _start_span(self, plan: StepPlan) -> Any:
-        """The step's engine span; its context rides in the plan and the message, so the output
-        actor's `spec.verify_step` span joins the same trace."""
+        """The step's engine span, with the controller's decision when sampled; its context rides
+        in the plan and the message, so the output actor's `spec.verify_step` span joins the
+        same trace."""
         if self.tracer is None or not plan.rids:
             return None
         # lazy: the core imports no opentelemetry unless a tracer was handed to it
+        from pipeline.engine.spec.record import span_attributes
         from pipeline.tracing.otel import traceparent_of
 
         span = self.tracer.start_span("spec.engine_step", attributes={
             "spec.step": plan.step, "spec.batch_size": len(plan.rids),
             "spec.prefills": len(plan.new)})
+        if span.is_recording():  # why each k (spec.control.*): sampled steps only
+            span.set_attributes(span_attributes(self.scheduler.spec.decision(),
+                                                [n.rid for n in plan.new]))
         plan.traceparent = traceparent_of(span)
         return span
 

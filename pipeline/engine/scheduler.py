@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pipeline.engine.admission import FairQueue
-from pipeline.engine.spec_control import SpecController, SpecSettings
+from pipeline.engine.spec.policy import SpecController
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
 from pipeline.protocol import NewRequest, StepOutcome, StepPlan, draft_room
+from pipeline.spec_settings import SpecSettings
 
 
 class Status(Enum):
@@ -65,15 +66,16 @@ class EngineRequest:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_waiting: int, max_model_len: int, k: int,
+    def __init__(self, num_slots: int, max_waiting: int, max_model_len: int,
+                 num_speculative_tokens: int,
                  vocab_size: int, reserved_slots: int = 0,
                  spec: SpecController | None = None) -> None:
         self.num_slots = num_slots
         self.max_waiting = max_waiting
         self.max_model_len = max_model_len
-        self.k = k
+        self.num_speculative_tokens = num_speculative_tokens
         # Chooses each decode's k under its cap (fixed: the cap itself).
-        self.spec = spec or SpecController(SpecSettings("fixed", k))
+        self.spec = spec or SpecController(SpecSettings("fixed", num_speculative_tokens))
         self.vocab_size = vocab_size
         # At most num_slots - 1 reserved: a lone request can always run.
         self.waiting = FairQueue(min(reserved_slots, num_slots - 1))
@@ -172,7 +174,7 @@ class Scheduler:
             plan.kv_lens.append(req.kv_len)
             plan.num_outputs.append(req.num_output)
             # No drafts past the output cap or past the slot's max_len.
-            plan.ks.append(max(0, min(self.k, req.remaining - 1,
+            plan.ks.append(max(0, min(self.num_speculative_tokens, req.remaining - 1,
                                       draft_room(self.max_model_len, req.kv_len))))
         plan.caps = list(plan.ks)
         pinned = [r.params.seed is not None and r.params.temperature > 0 for r in decode]

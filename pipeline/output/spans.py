@@ -10,6 +10,18 @@ Span and attribute names are DESIGN's. Added here (documented for `specrelay tra
   acceptance, len - 1), `spec.request.retained` (tokens kept in the output: the whole window, the
   part up to the finish position, or 0 for a request the step was dropped for). One attribute per
   step, not one event per request, keeps the cost per step flat.
+- On the engine's `spec.engine_step` span (the parent of `spec.verify_step`; pipeline.engine.core),
+  why each request's k was chosen, for sampled steps only (pipeline.engine.spec.record): arrays
+  aligned with its own `spec.request.ids` (same message order: prefills, then decodes):
+  `spec.control.k` (drafts asked for), `spec.control.cap` (the most allowed), `spec.control.why`
+  (`plan`, `probe`, `explore`, `pinned` or `prefill`), and where the plan used estimates
+  `spec.control.acceptance` (estimated acceptance of the next draft), `spec.control.gain`
+  (expected extra tokens of the drafts asked for), `spec.control.next_gain` (of one more draft),
+  `spec.control.offered` (how often the proposer had a draft when asked); per step
+  `spec.control.plan` (`rate`, `drain`, `fixed` or `off`: nothing measured at this batch yet),
+  `spec.control.cost.{base_s,per_row_s,per_draft_s,per_verify_s}` (the step-cost model),
+  `spec.control.step_s` (predicted seconds of the step), `spec.control.floor` (gain a verify row
+  must bring to pay) and `spec.control.rate` (the plan's expected tokens per second).
 - `finish.matched` is always a string: the stop string itself, or a stop token id in decimal.
   `finish.matched_kind` says which ("string" or "token_id") so a reader can give back the exact
   `matched_stop`. Both are omitted when nothing was matched (length, abort).
@@ -35,6 +47,7 @@ from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, decode_columns
 from pipeline.tracing.otel import OpenSpan, SpanRecorder, context_from_traceparent, get_tracer
 
+ENGINE_STEP_SPAN = "spec.engine_step"
 REQUEST_SPAN = "spec.request"
 STEP_SPAN = "spec.verify_step"
 FINISH_EVENT = "spec.finish"

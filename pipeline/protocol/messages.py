@@ -46,7 +46,7 @@ class StepPlan:
     num_outputs: list[int] = field(default_factory=list)  # per decode rid: output tokens so far
     ks: list[int] = field(default_factory=list)  # per decode rid: drafts to verify (controller)
     # per decode rid: the most drafts room and length allow; a proposer that scores its drafts
-    # drafts up to it and keeps those scored at least min_gains (spec_control); empty: ks
+    # drafts up to it and keeps those scored at least min_gains (pipeline.engine.spec); empty: ks
     caps: list[int] = field(default_factory=list)
     min_gains: list[float] = field(default_factory=list)
     commits: dict[str, list[int]] = field(default_factory=dict)  # last step's tokens, per rid

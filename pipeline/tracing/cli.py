@@ -2,7 +2,12 @@
 
 Reads OTLP JSON-lines trace files (specrelay's file exporter or an OpenTelemetry Collector's file
 exporter) and answers: which verify steps did a request take part in and which one finished it,
-where in its window and why; which requests did a step finish; and, without a filter, a summary.
+where in its window and why; which requests did a step finish; and, without a filter, a summary
+(finish reasons, overall and by step; acceptance by draft position; steps that verified no draft).
+
+With the engine's `spec.engine_step` spans in the file too, a request's steps form a timeline: per
+step the k the controller chose (and its cap and why, from `spec.control.*`), the drafts the
+verifier checked, how many it accepted and how many the output kept, and where it finished.
 
 Per-request step numbers come from the `spec.request.*` arrays on `spec.verify_step` spans (see
 pipeline/output/spans.py); for traces without them the steps are found through span links, with
@@ -18,7 +23,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.output.spans import FINISH_EVENT, REQUEST_SPAN, STEP_SPAN, matched_from_attributes
+from pipeline.output.spans import (
+    ENGINE_STEP_SPAN,
+    FINISH_EVENT,
+    REQUEST_SPAN,
+    STEP_SPAN,
+    matched_from_attributes,
+)
 from pipeline.tracing.trace_file import SpanRecord, read_spans
 
 
@@ -30,6 +41,17 @@ class StepEntry:
     drafted: int | None
     accepted: int | None  # by the verifier (raw, before finish truncation)
     retained: int | None  # kept in the output
+
+
+@dataclass
+class ControlEntry:
+    """The controller's choice for one request in one step (from `spec.engine_step`)."""
+
+    step: int
+    k: int | None
+    cap: int | None
+    why: str | None
+    plan: str | None
 
 
 @dataclass
@@ -50,6 +72,7 @@ class RequestReport:
     accepted_tokens: int | None = None
     steps: list[StepEntry] = field(default_factory=list)
     finish: Finish | None = None
+    control: list[ControlEntry] = field(default_factory=list)  # empty: no engine spans
 
 
 @dataclass
@@ -68,12 +91,16 @@ class TraceIndex:
     def __init__(self, spans: list[SpanRecord]) -> None:
         self.requests: dict[str, SpanRecord] = {}
         self.steps: list[SpanRecord] = []
+        self.engine_steps: list[SpanRecord] = []
         for s in spans:
             if s.name == REQUEST_SPAN and "request.id" in s.attributes:
                 self.requests[str(s.attributes["request.id"])] = s
             elif s.name == STEP_SPAN and "spec.step" in s.attributes:
                 self.steps.append(s)
-        self.steps.sort(key=lambda s: (int(s.attributes["spec.step"]), s.start_ns))
+            elif s.name == ENGINE_STEP_SPAN and "spec.step" in s.attributes:
+                self.engine_steps.append(s)
+        for found in (self.steps, self.engine_steps):
+            found.sort(key=lambda s: (int(s.attributes["spec.step"]), s.start_ns))
         self._rid_of_span = {s.span_id: rid for rid, s in self.requests.items()}
 
     def step_entries(self, step: SpanRecord) -> dict[str, StepEntry]:
@@ -92,6 +119,16 @@ class TraceIndex:
             for rid, d, acc, r in zip(ids, drafted, accepted, retained)
             if r is None or r > 0  # 0: the step was dropped for this request
         }
+
+    def control_entries(self, step: SpanRecord) -> dict[str, ControlEntry]:
+        """rid -> the controller's choice for it, in an engine step span (none without arrays)."""
+        a = step.attributes
+        ids = a.get("spec.request.ids") or ()
+        n = int(a["spec.step"])
+        ks, caps, why = (a.get(f"spec.control.{x}") or [None] * len(ids) for x in ("k", "cap", "why"))
+        plan = a.get("spec.control.plan")
+        return {str(rid): ControlEntry(n, k, c, w, plan)
+                for rid, k, c, w in zip(ids, ks, caps, why)}
 
     def finishes(self, step: SpanRecord) -> list[dict[str, Any]]:
         out = []
@@ -136,6 +173,10 @@ class TraceIndex:
                         f["len"],
                         f["window_position"],
                     )
+        for step in self.engine_steps:
+            control = self.control_entries(step).get(rid)
+            if control is not None:
+                rep.control.append(control)
         if span is None and not rep.steps and rep.finish is None:
             return None
         return rep
@@ -165,12 +206,30 @@ class TraceIndex:
             reasons[str(reason) if reason else "unfinished"] += 1
         hist: Counter[int] = Counter()
         drafted = accepted = 0
+        reached: Counter[int] = Counter()  # by draft position: request-steps that drafted it,
+        kept: Counter[int] = Counter()  # and those whose draft there was accepted
+        seen: set[str] = set()  # a request's first step is its prefill
+        undrafted_steps = undrafted_entries = 0
+        by_step: dict[int, Counter[str]] = {}
         for s in self.steps:
-            for e in self.step_entries(s).values():
+            decodes = 0
+            drafted_here = 0
+            for rid, e in self.step_entries(s).items():
+                if rid in seen:
+                    decodes += 1
+                    drafted_here += int(e.drafted or 0)
+                    undrafted_entries += e.drafted == 0
+                seen.add(rid)
                 if e.drafted and e.accepted is not None:  # verify steps only, not prefills
                     hist[int(e.accepted)] += 1
                     drafted += int(e.drafted)
                     accepted += int(e.accepted)
+                    for pos in range(int(e.drafted)):
+                        reached[pos] += 1
+                        kept[pos] += pos < int(e.accepted)
+            undrafted_steps += decodes > 0 and drafted_here == 0
+            for f in self.finishes(s):
+                by_step.setdefault(int(s.attributes["spec.step"]), Counter())[f["reason"]] += 1
         return {
             "requests": len(self.requests),
             "steps": len({int(s.attributes["spec.step"]) for s in self.steps}),
@@ -179,6 +238,13 @@ class TraceIndex:
             "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
+            # per position: accepted / request-steps whose draft was that long (vLLM-style)
+            "acceptance_by_position": [
+                {"position": p, "drafted": reached[p], "accepted": kept[p],
+                 "rate": kept[p] / reached[p]} for p in sorted(reached)],
+            "steps_without_drafts": undrafted_steps,  # steps with decodes, none drafted
+            "request_steps_without_drafts": undrafted_entries,  # decodes without a draft
+            "finishes_by_step": {str(n): dict(sorted(c.items())) for n, c in sorted(by_step.items())},
         }
 
 
@@ -208,10 +274,7 @@ def format_request(rep: RequestReport) -> str:
             f"completion_tokens={_cell(rep.completion_tokens)} verify_ct={_cell(rep.verify_ct)} "
             f"accepted_tokens={_cell(rep.accepted_tokens)}"
         ),
-        _table(
-            ["step", "drafted", "accepted", "retained"],
-            [[e.step, e.drafted, e.accepted, e.retained] for e in rep.steps],
-        ),
+        _timeline(rep),
     ]
     f = rep.finish
     if f is None:
@@ -222,6 +285,20 @@ def format_request(rep: RequestReport) -> str:
             f"window_position={_cell(f.window_position)} len={_cell(f.len)}"
         )
     return "\n".join(lines)
+
+
+def _timeline(rep: RequestReport) -> str:
+    """Per step: the k chosen (cap, why) against the drafts verified, accepted and kept."""
+    control = {c.step: c for c in rep.control}
+    finish_step = rep.finish.step if rep.finish is not None else None
+    rows = []
+    for e in rep.steps:
+        c = control.get(e.step)
+        ended = rep.finish.reason if rep.finish is not None and e.step == finish_step else None
+        rows.append([e.step, c and c.k, c and c.cap, c and c.why,
+                     e.drafted, e.accepted, e.retained, ended])
+    header = ["step", "k", "cap", "why", "drafted", "accepted", "retained", "finish"]
+    return _table(header, rows)
 
 
 def format_step(rep: StepReport) -> str:
@@ -245,8 +322,17 @@ def format_summary(s: dict[str, Any]) -> str:
         f"steps: {s['steps']}",
         "finish reasons: " + (", ".join(f"{k}={v}" for k, v in s["finish_reasons"].items()) or "-"),
         f"drafted: {s['drafted_tokens']}  accepted: {s['accepted_tokens']}  rate: {rate}",
+        (f"steps with decodes but no draft: {s['steps_without_drafts']} "
+         f"(request-steps: {s['request_steps_without_drafts']})"),
         "accepted drafts per request-step (verify steps):",
         _table(["accepted", "count"], [[k, v] for k, v in s["acceptance_histogram"].items()]),
+        "acceptance by draft position (accepted / request-steps that drafted that position):",
+        _table(["position", "drafted", "accepted", "rate"],
+               [[p["position"], p["drafted"], p["accepted"], f"{p['rate']:.3f}"]
+                for p in s["acceptance_by_position"]]),
+        "finishes by step:",
+        _table(["step", "reasons"], [[n, ", ".join(f"{k}={v}" for k, v in c.items())]
+                                     for n, c in s["finishes_by_step"].items()]),
     ]
     return "\n".join(lines)
 
@@ -255,7 +341,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specrelay trace", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", metavar="FILE", help="OTLP JSON-lines trace file(s)")
     pick = parser.add_mutually_exclusive_group()
-    pick.add_argument("--request", metavar="RID", help="show one request's verify steps and finish")
+    pick.add_argument("--request", metavar="RID",
+                      help="one request's timeline: k chosen vs drafts verified vs kept, finish")
     pick.add_argument("--step", type=int, metavar="N", help="show the requests step N finished")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     args = parser.parse_args(argv)
