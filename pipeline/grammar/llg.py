@@ -105,7 +105,7 @@ class Grammar:
         # building a matcher parses the grammar (ms); a copy is cheap
         template, entry = MEMORY.acquire((id(lltok), self.compiled),
                                          lambda: LLMatcher(lltok, self.compiled, log_level=0,
-                                                           limits=LIMITS))
+                                                           limits=LIMITS), owner=lltok)
         return LLGuidanceMatcher(template.deep_copy(), entry)
 
 

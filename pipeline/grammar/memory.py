@@ -58,6 +58,7 @@ class Entry:
     template: Any  # the compiled LLMatcher requests copy
     size: int  # estimated bytes
     refs: int = 0  # live matcher copies
+    owner: Any = None  # the object whose id() is in the key, kept alive so the id stays its own
 
 
 class GrammarMemory:
@@ -76,7 +77,7 @@ class GrammarMemory:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def acquire(self, key: tuple[int, str], build: Any) -> tuple[Any, Entry]:
+    def acquire(self, key: tuple[int, str], build: Any, owner: Any = None) -> tuple[Any, Entry]:
         """The template for `key` (built by `build()` if absent, its RSS growth charged), with
         one more reference; call `release(entry)` when the copy made from it is dropped."""
         with self._lock:
@@ -84,7 +85,8 @@ class GrammarMemory:
             if entry is None:
                 before = rss_bytes()
                 template = build()
-                entry = Entry(template, max(rss_bytes() - before, len(key[1]) * BYTES_PER_CHAR))
+                entry = Entry(template, max(rss_bytes() - before, len(key[1]) * BYTES_PER_CHAR),
+                              owner=owner)
                 self._entries[key] = entry
             else:
                 self._entries.move_to_end(key)
