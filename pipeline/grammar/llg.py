@@ -153,6 +153,12 @@ def compile_grammar(kind: str, source: Any, tokenizer: Any) -> Grammar:
     return Grammar(kind, compiled)
 
 
+NO_OUTPUT = "no output of this tokenizer can satisfy the grammar"
+# llguidance's terse stop reasons, in words a client can act on
+_TERSE = {"NoExtensionBias": "a dead end: no token of this tokenizer can continue the output",
+          "NoExtension": "a dead end: no token of this tokenizer can continue the output"}
+
+
 def _probe(matcher: LLMatcher, vocab_size: int) -> str | None:
     """Why the grammar cannot be used (an error in its first PROBE_TOKENS tokens along one path,
     or no output the tokenizer can produce), or None. llguidance meets most of its limits only
@@ -173,12 +179,6 @@ def _probe(matcher: LLMatcher, vocab_size: int) -> str | None:
         if not matcher.consume_token(int(allowed[len(allowed) // 2])):  # one path in the middle
             return _first_line(matcher.get_error())
     return None
-
-
-NO_OUTPUT = "no output of this tokenizer can satisfy the grammar"
-# llguidance's terse stop reasons, in words a client can act on
-_TERSE = {"NoExtensionBias": "a dead end: no token of this tokenizer can continue the output",
-          "NoExtension": "a dead end: no token of this tokenizer can continue the output"}
 
 
 def _first_line(message: str) -> str:
@@ -203,24 +203,21 @@ class LLGuidanceMatcher:
     def __init__(self, matcher: LLMatcher, entry: Entry | None = None) -> None:
         self._m = matcher
         self._entry = entry
-        self._dead_end: str | None = None
         if entry is not None:
             weakref.finalize(self, MEMORY.release, entry)
 
     def accept_token(self, token_id: int) -> bool:
-        return self._dead_end is None and self._m.consume_token(int(token_id))
+        return self._m.consume_token(int(token_id))
 
     def is_terminated(self) -> bool:
-        return self._dead_end is not None or self._m.is_stopped()  # also true in the error state
+        return self._m.is_stopped()  # also true in the error state
 
     def is_dead(self) -> bool:
-        return self._dead_end is not None or self._m.is_error()
+        return self._m.is_error()
 
     def error(self) -> str | None:
         """Why the output cannot be completed (a rejected token, a dead end, an llguidance
         limit), or None while it can (or the grammar accepted it)."""
-        if self._dead_end is not None:
-            return self._dead_end
         if self._m.is_error():
             return _first_line(self._m.get_error())
         if self._m.is_stopped() and not self._m.is_accepting():
