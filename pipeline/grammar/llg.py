@@ -231,7 +231,14 @@ class LLGuidanceMatcher:
         """How many of `tokens` the grammar allows from here, in order (consumes nothing)."""
         if self._m.is_error() or not tokens:
             return 0
-        return self._m.validate_tokens(list(tokens))
+        before = rss_bytes()
+        n = self._m.validate_tokens(list(tokens))
+        self._charge(before)
+        return n
+
+    def _charge(self, before: int) -> None:
+        if self._entry is not None:
+            MEMORY.charge(self._entry, rss_bytes() - before)
 
     def masks(self, drafts: Sequence[int], vocab_size: int) -> np.ndarray:
         """bool [len(drafts) + 1, vocab_size]: the tokens allowed at each position of the draft
@@ -250,8 +257,7 @@ class LLGuidanceMatcher:
             if j < n:
                 self._m.consume_token(int(drafts[j]))
         self._m.rollback(min(n, j))
-        if self._entry is not None:
-            MEMORY.charge(self._entry, rss_bytes() - before)
+        self._charge(before)
         return out
 
     def _mask_row(self, vocab_size: int) -> np.ndarray | None:
