@@ -248,7 +248,7 @@ class LLGuidanceMatcher:
         if self.is_dead():
             return out
         before = rss_bytes()
-        n = self.valid_prefix(drafts)
+        n = self._m.validate_tokens(list(drafts)) if drafts else 0  # charged once, below
         for j in range(n + 1):
             row = self._mask_row(vocab_size)
             if row is None:  # a dead end at row j: the rows from there on are unconstrained
