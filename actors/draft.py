@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pipeline.config import EngineConfig
 from pipeline.draft.step import build_proposer, draft_step
+from pipeline.grammar.memory import set_memory_budget
 from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runners import load_engine_tokenizer, set_torch_threads
 from pipeline.protocol import decode_plan, encode_proposal
@@ -13,6 +14,7 @@ from pipeline.protocol import decode_plan, encode_proposal
 class DraftWorker:
     def __init__(self, config: EngineConfig) -> None:
         set_torch_threads(config)
+        set_memory_budget(config.grammar_memory_mb << 20)
         self.proposer = build_proposer(config)
         self.grammars = GrammarTracker(lambda: load_engine_tokenizer(config))
 

@@ -184,7 +184,10 @@ class Engine:
         self.actors = await create_stage_actors(self.config, self._set_build_phase)
         self.build_phase = ""
         self.stages = RayStages(self.actors)
-        core = EngineCore(self.config, self.stages, self.actors.info["vocab_size"], self.tracer)
+        # A rebuild keeps the step timings: the stall bound stays adapted (docs/reliability.md)
+        stall = self.core.stall.carry_over() if self.core is not None else None
+        core = EngineCore(self.config, self.stages, self.actors.info["vocab_size"], self.tracer,
+                          stall=stall)
         self.core = core
         core.start().add_done_callback(lambda _t: self._on_loop_end(core))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pipeline.config import EngineConfig
 from pipeline.gc_tuning import tune_gc
+from pipeline.grammar.memory import set_memory_budget
 from pipeline.models.runners import load_engine_tokenizer
 from pipeline.output.processor import OutputProcessor
 from pipeline.output.request_output import RequestOutput
@@ -17,6 +18,7 @@ from pipeline.tracing.otel import flush_tracing, setup_tracing
 class OutputActor:
     def __init__(self, config: EngineConfig) -> None:
         setup_tracing("specrelay-output", config.tracing)  # config, else the OTEL_* environment
+        set_memory_budget(config.grammar_memory_mb << 20)
         tokenizer = load_engine_tokenizer(config)
         self.eos_token_ids = eos_token_ids(tokenizer)
         inner = OutputProcessor(tokenizer, self.eos_token_ids)

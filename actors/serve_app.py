@@ -30,6 +30,7 @@ from actors.engine_client import EngineClient
 from pipeline.config import EngineConfig, load_config
 from pipeline.frontend.app import API_KEY_ENV, ServerSettings, create_app
 from pipeline.frontend.proxy_guard import proxy_guard_env
+from pipeline.grammar.memory import set_memory_budget
 from pipeline.tracing.otel import flush_tracing, setup_tracing
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class SpecrelayServer:
 
         loopback_replica_grpc()
         config, server_settings = replica_config(config_path, overrides, settings)
+        set_memory_budget(config.grammar_memory_mb << 20)  # this process compiles grammars
         setup_tracing("specrelay-frontend", config.tracing, register_global=False)
         # start_engine and tokenizer loading block (model loads): keep the replica's loop free.
         self.engine = await asyncio.to_thread(start_engine, config)

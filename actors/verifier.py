@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 
 from pipeline.config import EngineConfig
+from pipeline.grammar.memory import set_memory_budget
 from pipeline.models.runners import build_runner, set_torch_threads
 from pipeline.models.tp import init_distributed
 from pipeline.protocol import decode_plan, decode_proposal, encode_outcome
@@ -21,6 +22,7 @@ from pipeline.verify.verifier import Verifier
 class TargetVerifier:
     def __init__(self, config: EngineConfig, rank: int) -> None:
         set_torch_threads(config)
+        set_memory_budget(config.grammar_memory_mb << 20)
         self.config = config
         self.rank = rank
         self.verifier: Verifier | None = None

@@ -62,6 +62,10 @@ class EngineConfig:
     step_timeout_s: float = 30.0
     step_timeout_floor_s: float = 5.0
     step_timeout_p99_multiple: float = 10.0
+    # Compiled grammars (structured output) each process (front end, draft, verifier, output)
+    # keeps, in MB of resident memory (pipeline.grammar.memory): grammars no request uses are
+    # released least recently used first beyond it; one that alone needs more is refused (400).
+    grammar_memory_mb: int = 256
     ngram_min_n: int = 3  # shorter matches rarely pay (configs/smollm2-cpu.yaml)
     ngram_max_n: int = 4
     # draft: suffix (pipeline.draft.suffix): drafts up to num_speculative_tokens long, cut where
@@ -110,6 +114,7 @@ class EngineConfig:
             self.num_speculative_tokens = 0
         elif self.num_speculative_tokens == 0:
             raise ValueError("num_speculative_tokens: must be >= 1 with a draft (or use draft: none)")
+        check.integer("grammar_memory_mb", self.grammar_memory_mb, 1)
         for name in ("step_timeout_s", "step_timeout_floor_s", "step_timeout_p99_multiple"):
             check.positive(name, getattr(self, name))
         check.number("draft_agreement_noise", self.draft_agreement_noise, lo=0)

@@ -11,3 +11,9 @@ class EngineDeadError(RuntimeError):
 
 class RequestTimeoutError(RuntimeError):
     """The request ran past its deadline (HTTP 408)."""
+
+
+class GrammarOutputError(RuntimeError):
+    """The request's grammar could not accept its output (a dead end, a rejected token or one of
+    the matcher's internal limits met while generating): the output stage ended it with finish
+    reason "error" (HTTP 400 `invalid_grammar`, or an in-band error event in a stream)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.grammar import TokenSequenceMatcher, choice_grammar, grammar_end
+from pipeline.grammar import TokenSequenceMatcher, choice_grammar, grammar_end, grammar_error
 from pipeline.output.finish import Finish, FinishKind, StopRules, StopStringHit, find_finish
 from pipeline.params import SamplingParams
 
@@ -103,6 +103,24 @@ def test_grammar_end_feeds_up_to_the_ending_token_only():
     assert grammar_end(m, [1, 2, 3, 4]) == 1
     assert grammar_end(choice_grammar([[1, 2, 3]])(), [1, 2]) is None
     assert grammar_end(choice_grammar([[1, 2, 3]])(), [1, 9, 3]) == 1  # rejected token ends it
+
+
+def test_a_grammar_error_beats_every_other_finish_at_its_position_but_not_an_earlier_one():
+    r = rules(max_new=3)
+    err = find_finish([5, EOS, 7], 0, r, None, 1, "a token the grammar does not allow")
+    assert err == Finish(1, FinishKind.GRAMMAR_ERROR, None, "a token the grammar does not allow")
+    assert (err.reason, err.kind_name) == ("error", "grammar_error")
+    assert find_finish([EOS, 6, 7], 0, r, None, 1, "x").kind is FinishKind.STOP_TOKEN
+    assert find_finish([5, 6, 7], 0, rules(max_new=2), None, 1, "x").kind is \
+        FinishKind.GRAMMAR_ERROR  # length at the same position
+    assert find_finish([5, 6, 7], 0, rules(max_new=1), None, 1, "x").kind is FinishKind.LENGTH
+
+
+def test_grammar_error_says_why_a_choice_matcher_ended():
+    m = choice_grammar([[1, 2]])()
+    assert grammar_end(m, [1, 2]) == 1 and grammar_error(m) is None  # accepted
+    m = choice_grammar([[1, 2]])()
+    assert grammar_end(m, [1, 9]) == 1 and grammar_error(m) == "a token the grammar does not allow"
 
 
 def test_choice_grammar_factory_returns_fresh_matchers():

@@ -310,3 +310,80 @@ async def proxy_call(path: str, client_host: str, headers: list[tuple[str, str]]
 def test_serve_proxy_system_routes_are_behind_the_key(path, client_host, auth, status):
     headers = [] if auth is None else [("authorization", auth)]
     assert asyncio.run(proxy_call(path, client_host, headers)) == status
+
+
+# --------------------------------------------------------------------------- WebSocket upgrades
+
+
+def websocket_refusal(app: Any, path: str, headers: dict[str, str]) -> tuple[int, dict]:
+    """(status, error body) of a real WebSocket handshake to `path` (starlette's TestClient
+    speaks the ASGI WebSocket Denial Response extension, as uvicorn does)."""
+    from starlette.testclient import TestClient, WebSocketDenialResponse
+
+    client = TestClient(app, client=("10.0.0.9", 5000))  # no lifespan: the stand-ins have none
+    with pytest.raises(WebSocketDenialResponse) as denied, client.websocket_connect(path,
+                                                                                    headers=headers):
+        pass
+    r = denied.value
+    assert r.headers["content-type"].startswith("application/json"), r.content[:200]
+    return r.status_code, r.json()["error"]
+
+
+WS_PATHS = ["/-/routes", "/-/healthz", "/v1/models", "/v1/chat/completions", "/health",
+            "/metrics", "/nowhere"]
+
+
+@pytest.mark.parametrize("path", WS_PATHS)
+@pytest.mark.parametrize("auth", [None, f"Bearer {KEY}", "Bearer wrong"])
+def test_a_websocket_upgrade_through_the_proxy_guard_is_a_json_4xx_on_every_path(path, auth):
+    from pipeline.frontend.proxy_guard import SystemRoutesGuard
+
+    async def serve_proxy(scope: dict, receive: Any, send: Any) -> None:
+        # Serve's proxy answers a WebSocket to its own routes with a plain-text 500
+        if scope["type"] == "websocket" and scope["path"].startswith("/-/"):
+            raise RuntimeError("proxy: websocket to a system route")
+        await app_for(api_key=KEY)(scope, receive, send)
+
+    headers = {} if auth is None else {"authorization": auth}
+    status, err = websocket_refusal(SystemRoutesGuard(serve_proxy, api_key=KEY), path, headers)
+    if auth != f"Bearer {KEY}" and path.startswith("/-/"):  # the system routes' key rule
+        assert (status, err["code"]) == (401, "invalid_api_key")
+    else:
+        assert (status, err["code"]) == (400, "websocket_not_supported")
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+@pytest.mark.parametrize("auth", [None, f"Bearer {KEY}"])
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/completions", "/health", "/metrics", "/x"])
+def test_a_websocket_upgrade_to_the_app_is_a_json_4xx(key, auth, path):
+    headers = {} if auth is None else {"authorization": auth}
+    status, err = websocket_refusal(app_for(api_key=key), path, headers)
+    if key is not None and auth is None and path != "/health":
+        assert (status, err["code"]) == (401, "invalid_api_key")
+    else:
+        assert (status, err["code"]) == (400, "websocket_not_supported")
+    assert "Traceback" not in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/-/routes", "/-/healthz", "/v1/models"])
+def test_without_a_key_the_proxy_guard_still_refuses_websockets_and_passes_http(path):
+    from pipeline.frontend.proxy_guard import CALLBACK_ENV, SystemRoutesGuard, proxy_guard_env
+
+    assert CALLBACK_ENV in proxy_guard_env("")  # installed with no key too
+    reached = []
+
+    async def serve_proxy(scope: dict, receive: Any, send: Any) -> None:
+        reached.append(scope["type"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    status, err = websocket_refusal(SystemRoutesGuard(serve_proxy, api_key=""), path, {})
+    assert (status, err["code"]) == (400, "websocket_not_supported")
+    assert reached == []
+    transport = httpx.ASGITransport(app=SystemRoutesGuard(serve_proxy, api_key=""))
+
+    async def get() -> int:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return (await c.get(path)).status_code
+
+    assert asyncio.run(get()) == 200 and reached == ["http"]

@@ -207,6 +207,7 @@ def test_custom_values_render_into_the_rayservice():
     assert app["route_prefix"] == "/"
     assert app["args"] == {
         "config": "/app/configs/llama70b.yaml",
+        "max_choices_per_request": 64,
         "overrides": {
             "target_model": "meta-llama/Llama-3.1-70B-Instruct",
             "draft_kind": "model",

@@ -40,6 +40,7 @@ VALUE_SETS = {
                    "otel.serviceName=llm-prod"), ()),
     "otel-http": (("otel.endpoint=http://otel-collector.observability:4318",
                    "otel.protocol=http/protobuf"), ()),
+    "max-choices": (("specrelay.maxChoicesPerRequest=8",), ()),
     "placement-strict-pack": (
         ("specrelay.tensorParallelSize=2", "worker.gpus=2", "worker.replicas=2"),
         (('specrelay.placement={"verifierStrategy": "STRICT_PACK", '
@@ -89,6 +90,7 @@ def test_rendered_serve_config_builds_a_replica_config(name):
     if config.draft != "none":
         assert config.num_speculative_tokens == values["specrelay"]["draft"]["numSpeculativeTokens"]
     assert settings.api_key is None  # the key comes from the env the chart sets (below)
+    assert settings.max_choices_per_request == values["specrelay"]["maxChoicesPerRequest"]
     group = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = int(group["rayStartParams"]["num-gpus"]) * group["replicas"]
     assert config.tensor_parallel_size <= gpus, "not enough GPUs for one verifier per rank"
@@ -145,6 +147,47 @@ def test_api_key_from_an_existing_secret_reaches_the_server_settings(monkeypatch
         assert ref == {"name": "team-llm-key", "key": "token"}
     monkeypatch.setenv(API_KEY_ENV, "k-from-secret")
     assert settings.resolved_api_key() == "k-from-secret"
+
+
+def test_max_choices_value_caps_the_choices_of_a_request():
+    _, settings = build_replica(yaml.safe_load(rendered("max-choices")["spec"]["serveConfigV2"]))
+    assert settings.max_choices_per_request == 8
+
+
+@pytest.mark.parametrize("name", ["defaults", "api-key-existing-secret"])
+def test_every_ray_pod_runs_the_proxy_guard_so_serve_routes_need_the_key(name, monkeypatch):
+    """The environment the chart gives each Ray container (where Serve's proxy runs): the proxy
+    callback it names, imported and called there as Serve does, keys /-/routes."""
+    import asyncio
+
+    import httpx
+
+    from pipeline.frontend.proxy_guard import CALLBACK_ENV
+
+    for pod, template in pod_specs(rendered(name)).items():
+        env = env_of(ray_container(template))
+        assert CALLBACK_ENV in env and API_KEY_ENV in env, pod
+        assert "secretKeyRef" in env[API_KEY_ENV]["valueFrom"]
+        monkeypatch.setenv(API_KEY_ENV, "key-from-the-secret")  # what the secretKeyRef gives
+        module, attr = env[CALLBACK_ENV]["value"].split(":")
+        middlewares = getattr(importlib.import_module(module), attr)()
+
+        async def serve_proxy(scope, receive, send):  # Serve's proxy answers /-/routes itself
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b'{"/":"specrelay"}'})
+
+        app = serve_proxy
+        for m in reversed(middlewares):  # as Serve wraps its proxy app
+            app = m.cls(app, *m.args, **m.kwargs)
+
+        async def get(headers, app=app):
+            transport = httpx.ASGITransport(app=app, client=("10.1.2.3", 40000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://pod") as c:
+                return (await c.get("/-/routes", headers=headers)).status_code
+
+        assert asyncio.run(get({})) == 401, pod
+        assert asyncio.run(get({"authorization": "Bearer wrong"})) == 401, pod
+        assert asyncio.run(get({"authorization": "Bearer key-from-the-secret"})) == 200, pod
 
 
 def test_placement_values_become_the_config_placement():
@@ -244,6 +287,16 @@ def _ray_reads(var: str) -> bool:
                for p in [root / "_raylet.so", *root.glob("_private/**/*.py")] if p.is_file())
 
 
+def _read_by_serve_proxy(value: str) -> None:
+    """RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH: Serve's proxy reads it, and the value names a
+    function returning middlewares (the proxy guard)."""
+    import ray.serve._private.constants as serve_constants
+
+    assert "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" in Path(serve_constants.__file__).read_text()
+    module, attr = value.split(":")
+    assert all(hasattr(m, "cls") for m in getattr(importlib.import_module(module), attr)())
+
+
 def _read_by_ray(var: str):
     """Ray's own variables: the name must occur in the installed Ray (its C++ core reads the
     auth ones, so the compiled module is searched too)."""
@@ -256,6 +309,7 @@ def _read_by_ray(var: str):
 ENV_CHECKS = {
     "OTEL_SERVICE_NAME": _read_by_otel("OTEL_SERVICE_NAME", "service_name"),
     API_KEY_ENV: _read_by_server_settings,
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": _read_by_serve_proxy,
     "RAY_AUTH_MODE": _read_by_ray("RAY_AUTH_MODE"),
     "RAY_AUTH_TOKEN": _read_by_ray("RAY_AUTH_TOKEN"),
 }

@@ -170,6 +170,30 @@ def test_grammar_end_finishes_with_stop_and_no_matched_stop():
     )
 
 
+def test_a_token_the_grammar_rejects_ends_the_request_with_an_error_not_stop():
+    a, b, c = (byte_id(ord(x)) for x in "abc")
+    proc = proc_with(SamplingParams(max_new_tokens=50, grammar=choice_grammar([[a, b]])))
+    [out] = step(proc, 0, {"r": (0, [a, c, b])})
+    assert (out.finished, out.finish_reason, out.finish_kind, out.finished_len) == (
+        True, "error", "grammar_error", 2)  # fmt: skip
+    assert out.error == "a token the grammar does not allow"
+    assert out.matched_stop is None
+
+
+def test_an_eos_the_grammar_rejects_is_an_error_not_an_eos_stop():
+    a, b = byte_id(ord("a")), byte_id(ord("b"))
+    proc = proc_with(SamplingParams(max_new_tokens=50, grammar=choice_grammar([[a, b]])))
+    [out] = step(proc, 0, {"r": (0, [a, EOS])})  # "a" alone is not a complete output
+    assert (out.finish_reason, out.finish_kind, out.finished_len) == ("error", "grammar_error", 2)
+
+
+def test_length_before_the_rejected_token_is_a_plain_length_finish():
+    a, c = byte_id(ord("a")), byte_id(ord("c"))
+    proc = proc_with(SamplingParams(max_new_tokens=1, grammar=choice_grammar([[a, a]])))
+    [out] = step(proc, 0, {"r": (0, [a, c])})
+    assert (out.finish_reason, out.finished_len, out.error) == ("length", 1, None)
+
+
 def test_grammar_and_stop_string_at_the_same_token_report_the_stop_string():
     a, b = byte_id(ord("a")), byte_id(ord("b"))
     params = SamplingParams(max_new_tokens=50, stop=["ab"], grammar=choice_grammar([[a, b]]))
@@ -206,7 +230,7 @@ def test_a_running_delta_has_no_finish_and_an_abort_has_finish_kind_abort():
         "top_logprobs": None, "finished": False, "finish_reason": None, "finish_kind": None,
         "matched_stop": None, "finished_len": None, "finish_step": None,
         "spec_verify_ct": 1, "spec_accepted_tokens": 1, "spec_acceptance_histogram": [0, 1],
-        "spec_draft_tokens": 3,
+        "spec_draft_tokens": 3, "error": None,
     }  # fmt: skip
     end = proc.abort("r")
     assert (end.finished, end.finish_reason, end.finish_kind, end.finished_len) == (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.engine.stall import MIN_SAMPLES, StallDetector, plan_tokens
+from pipeline.engine.stall import COLD_STEPS, MIN_SAMPLES, StallDetector, plan_tokens
 from pipeline.params import SamplingParams
 from pipeline.protocol import NewRequest, StepPlan
 
@@ -48,3 +48,71 @@ def test_plan_tokens_counts_prompts_and_k_plus_one_per_verify():
     plan = StepPlan(step=0, new=[NewRequest("a", [1, 2, 3], SamplingParams())],
                     decode=["b", "c"], ks=[4, 0])
     assert plan_tokens(plan) == 3 + 5 + 1
+
+
+def test_right_after_a_rebuild_the_bound_is_the_adapted_one_not_the_ceiling():
+    d = StallDetector(floor_s=5, multiple=10, ceiling_s=30)  # the default config's knobs
+    d.record(0.4, 40)  # the first steps of fresh stages: 10 ms per token
+    for _ in range(300):
+        d.record(0.1, 40)  # then 2.5 ms per token (the cold step has left the p99 window)
+    assert d.bound(40) == 5
+    rebuilt = d.carry_over()
+    # fresh stages' first steps: the cold time per token (10 x 10 ms x 40 = 4 s) under the floor
+    assert rebuilt.bound(40) == 5
+    for _ in range(COLD_STEPS):
+        assert rebuilt.bound(40) <= 10
+        rebuilt.record(0.1, 40)
+    assert rebuilt.bound(40) == 5
+    assert rebuilt.bound(400) == 10  # still scaled by the step's tokens
+
+
+def test_after_a_rebuild_a_slow_cold_start_keeps_its_allowance_for_the_first_steps():
+    d = StallDetector(floor_s=5, multiple=10, ceiling_s=30)
+    d.record(3.0, 40)  # a GPU's first step (kernel loading): 75 ms per token
+    for _ in range(300):
+        d.record(0.02, 40)
+    rebuilt = d.carry_over()
+    assert rebuilt.bound(40) == 30  # min(ceiling, 10 x 75 ms x 40)
+    for _ in range(COLD_STEPS):
+        rebuilt.record(0.02, 40)
+    assert rebuilt.bound(40) == 5
+
+
+def test_the_engine_actor_carries_the_stall_timings_into_its_rebuilt_core(monkeypatch):
+    import asyncio
+
+    import actors.engine as engine_mod
+    from pipeline.config import EngineConfig
+
+    class FakeActors:
+        def __init__(self):
+            self.info = {"vocab_size": 256}
+
+        async def flush_telemetry(self):
+            pass
+
+        def kill(self):
+            pass
+
+    async def fake_create(config, report=lambda _: None):
+        return FakeActors()
+
+    monkeypatch.setattr(engine_mod, "create_stage_actors", fake_create)
+    config = EngineConfig()
+    assert (config.step_timeout_floor_s, config.step_timeout_p99_multiple) == (5.0, 10.0)
+
+    async def scenario():
+        engine = engine_mod.Engine(config)
+        await engine._build()
+        first = engine.core
+        assert first.stall.bound(40) == config.step_timeout_s  # nothing timed yet
+        for _ in range(MIN_SAMPLES + 4):
+            first.stall.record(0.1, 40)
+        await first.stop()
+        await engine._rebuild()
+        assert engine.core is not first and engine.restarts == 1
+        bound = engine.core.stall.bound(40)
+        await engine.core.stop()
+        return bound
+
+    assert asyncio.run(scenario()) <= 10  # docs/reliability.md: 10 s at the default config

@@ -261,3 +261,179 @@ def test_structured_output_parameters_reach_the_engine_as_a_compiled_grammar():
     kinds = [p.grammar.kind if isinstance(p.grammar, Grammar) else p.grammar
              for p in engine.requests.values()]
     assert kinds == ["json_schema", "json_schema", "json_schema", "regex", "choice", None]
+
+
+# --------------------------------------------------------------------------- dead ends and limits
+
+SELF_REFERENTIAL = {"type": "object", "properties": {"self": {"$ref": "#"}},
+                    "required": ["self"]}
+MANY_OPTIONAL = {"type": "object",
+                 "properties": {f"p{i}": {"type": "integer"} for i in range(1200)}}
+SIX_THOUSAND_WORDS = [f"w{i:04d}x" for i in range(6000)]
+# The issue's hostile grammars: each returned 200 `stop` with output the grammar rejects.
+HOSTILE = [
+    ("json_schema", SELF_REFERENTIAL, "no finite JSON value"),
+    ("regex", "(ab){500000}", "too many expressions"),
+    ("regex", "a{1000000}", "too many expressions"),
+    ("regex", "(a{1000}){1000}", "too many expressions"),
+    ("choice", SIX_THOUSAND_WORDS, "max is 2000"),
+    ("json_schema", MANY_OPTIONAL, "max is 2000"),
+]
+HOSTILE_IDS = ["self-ref-schema", "ab500000", "a1000000", "a1000x1000", "choice6000",
+               "1200-optional"]
+
+
+@pytest.mark.parametrize(("kind", "source", "needle"), HOSTILE, ids=HOSTILE_IDS)
+def test_grammars_that_dead_end_or_hit_llguidance_limits_are_refused_at_compile_time(
+        kind, source, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)) as e:
+        compile_grammar(kind, source, TOK)
+    assert str(e.value).startswith(f"{kind}: ")
+    assert "<state>" not in str(e.value) and "Tokens:" not in str(e.value)  # no parser dumps
+
+
+@pytest.mark.parametrize("schema", [
+    {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/m"}},
+                     "required": ["next"]},
+               "m": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}},
+     "$ref": "#/$defs/n"},
+    {"type": "object", "properties": {"a": {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]}},
+     "required": ["a"]},
+    {"type": "object", "properties": {"a": False}, "required": ["a"]},
+])
+def test_schemas_without_a_finite_instance_are_refused(schema):
+    with pytest.raises(ValueError, match="no finite JSON value"):
+        compile_grammar("json_schema", schema, TOK)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"self": {"$ref": "#"}}},  # optional: {} ends it
+    {"$defs": {"n": {"type": "object", "properties": {
+        "next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}}, "required": ["next"]}},
+     "$ref": "#/$defs/n"},  # a linked list ending in null
+    {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+])
+def test_recursive_schemas_with_a_finite_instance_still_compile(schema):
+    assert compile_grammar("json_schema", schema, TOK).kind == "json_schema"
+
+
+def unchecked_grammar(kind: str, source):
+    """The compiled grammar as compile_grammar would hand it on, without its checks: what a
+    limit met only later in the output looks like to the engine."""
+    import llguidance
+    from llguidance import LLMatcher
+
+    from pipeline.grammar.llg import JSON_OPTIONS, Grammar
+
+    text = source if isinstance(source, str) else json.dumps(source)
+    if kind == "json_schema":
+        return Grammar(kind, LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS))
+    return Grammar(kind, llguidance.grammar_from(kind, text))
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_a_dead_end_or_limit_met_while_generating_ends_the_request_with_an_error(draft):
+    reqs = [(f"h{i}", [5, 6, 7, 8], SamplingParams(max_new_tokens=24,
+                                                   grammar=unchecked_grammar(kind, src)))
+            for i, (kind, src, _) in enumerate(HOSTILE)]
+    reqs.append(("ok", [5, 6, 7, 8], SamplingParams(
+        max_new_tokens=48, grammar=compile_grammar("regex", REGEX, TOK))))
+    res, _ = run(draft, reqs)
+    for i, (_, _, needle) in enumerate(HOSTILE):
+        c = res[f"h{i}"]
+        assert (c.finish_reason, c.finish_kind) == ("error", "grammar_error"), (i, c.text)
+        # the limit's own words, or the token the grammar rejected after the dead end
+        assert needle in c.last.error or "satisfy the grammar" in c.last.error, c.last.error
+    assert res["ok"].finish_reason == "stop"  # a neighbour is untouched
+    check_valid(res["ok"].text, "regex", REGEX)
+
+
+def test_the_verifier_leaves_a_dead_end_row_unconstrained_and_the_matcher_reports_it():
+    from pipeline.grammar.llg import Grammar
+
+    m = unchecked_grammar("regex", "a{1000000}").matcher(TOK)
+    rows = m.masks([ord("a"), ord("a")], 256)
+    assert rows.shape == (3, 256)
+    assert rows[1:].all()  # past the limit: no all-masked row (never a hang)
+    assert m.is_dead() and "too many expressions" in m.error()
+    ok = Grammar.matcher(compile_grammar("regex", "ab", TOK), TOK)
+    assert ok.accept_token(ord("a")) and ok.error() is None
+    assert not ok.accept_token(ord("x")) and "satisfy the grammar" in ok.error()
+
+
+HTTP_HOSTILE = [({"guided_regex": "(ab){500000}"}, "guided_regex", "too many expressions"),
+                ({"guided_regex": "a{1000000}"}, "guided_regex", "too many expressions"),
+                ({"guided_choice": SIX_THOUSAND_WORDS}, "guided_choice", "max is 2000"),
+                ({"guided_json": SELF_REFERENTIAL}, "guided_json", "no finite JSON value"),
+                ({"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "x", "schema": MANY_OPTIONAL}}},
+                 "response_format.json_schema.schema", "max is 2000")]
+
+
+@pytest.mark.parametrize(("extra", "param", "needle"), HTTP_HOSTILE,
+                         ids=["ab500000", "a1000000", "choice6000", "self-ref", "1200-optional"])
+def test_hostile_grammars_are_a_400_naming_the_limit_before_the_engine(extra, param, needle):
+    sys.path.insert(0, "tests")
+    from server_fakes import FakeEngine
+    from test_frontend_abuse import call, check_openai_error
+
+    from pipeline.frontend.app import create_app
+    from pipeline.frontend.settings import ServerSettings
+
+    engine = FakeEngine()
+    app = create_app(engine, TOK, ServerSettings())
+    r = asyncio.run(call(app, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **extra}))
+    assert r.status_code == 400, r.text
+    err = check_openai_error(r)
+    assert (err["param"], err["code"]) == (param, "invalid_grammar")
+    assert needle in err["message"], err
+    assert engine.requests == {}
+
+
+def grammar_error_engine():
+    """A FakeEngine whose requests end as the output stage ends one whose grammar dead-ends:
+    some output, then a finished delta with reason "error"."""
+    sys.path.insert(0, "tests")
+    from server_fakes import FakeEngine
+
+    from pipeline.output.request_output import RequestOutput
+
+    class DeadEndEngine(FakeEngine):
+        async def _outputs(self, rid, params):
+            yield RequestOutput(rid, token_ids=[ord("{")], text="{", spec_verify_ct=0)
+            await asyncio.sleep(0.05)  # a later step: a stream has sent its headers by then
+            yield RequestOutput(rid, token_ids=[ord('"')], text='"', finished=True,
+                                finish_reason="error", finish_kind="grammar_error",
+                                finished_len=2, error="lexer error: too many expressions "
+                                "constructed")
+
+    return DeadEndEngine()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_grammar_error_while_generating_is_an_error_body_never_a_stop_choice(path):
+    sys.path.insert(0, "tests")
+    from test_frontend_abuse import call, check_openai_error
+
+    from pipeline.frontend.app import create_app
+    from pipeline.frontend.settings import ServerSettings
+
+    body = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
+            else {"prompt": "hi"})
+    app = create_app(grammar_error_engine(), TOK, ServerSettings())
+    r = asyncio.run(call(app, "POST", path, {**body, "max_tokens": 8, "guided_regex": "[a-z]+"}))
+    assert r.status_code == 400, r.text
+    err = check_openai_error(r)
+    assert err["code"] == "invalid_grammar" and "too many expressions" in err["message"]
+    assert "choices" not in r.json()
+    # streamed: the output so far, then an in-band error event, then [DONE]; no finish_reason
+    r = asyncio.run(call(app, "POST", path, {**body, "max_tokens": 8, "guided_regex": "[a-z]+",
+                                             "stream": True}))
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "invalid_grammar" and "too many expressions" in error["message"]
+    finishes = [c.get("finish_reason") for e in events[:-2] for c in json.loads(e)["choices"]]
+    assert set(finishes) <= {None}

@@ -11,7 +11,6 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from pipeline.output.spans import TracedOutputProcessor
 
 from pipeline.config import load_config
 from pipeline.engine.core import EngineCore
@@ -19,6 +18,7 @@ from pipeline.engine.local import LocalStages, build_local_engine, collect
 from pipeline.engine.spec.record import PLANS
 from pipeline.models.runners import tiny_tokenizer
 from pipeline.output.processor import OutputProcessor
+from pipeline.output.spans import TracedOutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.tracing.cli import main
 from pipeline.tracing.trace_file import JsonLinesSpanExporter

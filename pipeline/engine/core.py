@@ -107,7 +107,8 @@ class RequestStream:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, stages: Stages, vocab_size: int,
-                 tracer: Any = None) -> None:
+                 tracer: Any = None, stall: StallDetector | None = None) -> None:
+        """`stall`: a detector carried over from the engine's previous stages (a rebuild)."""
         self.config = config
         self.tracer = tracer  # an OpenTelemetry tracer: one `spec.engine_step` span per step
         self.stages = stages
@@ -116,8 +117,9 @@ class EngineCore:
                                    reserved_slots=config.reserved_slots,
                                    spec=SpecController(config.spec_settings))
         self.stats = EngineStats()
-        self.stall = StallDetector(config.step_timeout_floor_s, config.step_timeout_p99_multiple,
-                                   config.step_timeout_s)
+        self.stall = stall or StallDetector(config.step_timeout_floor_s,
+                                            config.step_timeout_p99_multiple,
+                                            config.step_timeout_s)
         self.stall_bound_s = config.step_timeout_s  # of the step in flight
         self.last_progress = time.time()
         self.dead_reason: str | None = None

@@ -12,6 +12,7 @@ from pipeline.config import EngineConfig
 from pipeline.draft.base import Proposer
 from pipeline.draft.step import build_proposer, draft_step
 from pipeline.engine.core import EngineCore
+from pipeline.grammar.memory import set_memory_budget
 from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runners import build_runner
 from pipeline.output.processor import OutputProcessor
@@ -72,6 +73,7 @@ def build_local_engine(config: EngineConfig, runner: Any = None, proposer: Propo
     config names; `stages_type` a LocalStages subclass (a benchmark's timed stages)."""
     if config.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: the in-process engine runs one rank; use Ray")
+    set_memory_budget(config.grammar_memory_mb << 20)
     runner = runner or build_runner(config, "target")
     output = make_output_processor(runner.tokenizer, eos_token_ids(runner.tokenizer))
     stages = stages_type(proposer or build_proposer(config), Verifier(runner), output)

@@ -8,6 +8,12 @@ seconds. Time is scaled by the step's tokens (prompt tokens of its prefills, k +
 so that a long prefill after many short decode steps is not mistaken for a hang; the floor keeps
 scheduling noise on a loaded machine from failing the engine, and the ceiling
 (`step_timeout_s`) is the bound before enough steps were timed (model warm-up, first prefill).
+
+After a rebuild (new stage actors, same model and hardware) the timings carry over
+(`carry_over`): the bound is the adapted one from the first step, not the ceiling for another 16
+steps. Fresh stages' first COLD_STEPS steps (kernel loading, first allocations) get at least the
+time per token the engine's very first steps took, scaled like any other step: that is what a
+cold stage was seen to need, and on a CPU replica it is far under the ceiling.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from pipeline.protocol import StepPlan
 
 WINDOW = 256  # recent steps the p99 is taken over
 MIN_SAMPLES = 16  # steps timed before the bound adapts
+COLD_STEPS = 3  # a fresh stage's first steps, timed apart as its warm-up
 
 
 def plan_tokens(plan: StepPlan) -> int:
@@ -34,11 +41,26 @@ class StallDetector:
         self.ceiling_s = ceiling_s
         self._per_token: deque[float] = deque(maxlen=WINDOW)
         self._p99: float | None = None
+        self._steps = 0  # steps timed on the current stages
+        self._cold: list[float] = []  # seconds per token of the engine's first COLD_STEPS steps
+        self._carried = False  # built by carry_over: the stages are fresh, the timings are not
 
     def record(self, seconds: float, tokens: int) -> None:
         """A step of `tokens` tokens took `seconds` (draft + verify)."""
-        self._per_token.append(seconds / max(tokens, 1))
+        per_token = seconds / max(tokens, 1)
+        self._per_token.append(per_token)
         self._p99 = None
+        self._steps += 1
+        if len(self._cold) < COLD_STEPS:
+            self._cold.append(per_token)
+
+    def carry_over(self) -> StallDetector:
+        """The detector for rebuilt stages: these timings, the fresh stages' warm-up allowance."""
+        new = StallDetector(self.floor_s, self.multiple, self.ceiling_s)
+        new._per_token.extend(self._per_token)
+        new._cold = list(self._cold)
+        new._carried = True
+        return new
 
     @property
     def p99_per_token_s(self) -> float | None:
@@ -53,4 +75,6 @@ class StallDetector:
         p99 = self.p99_per_token_s
         if p99 is None:
             return self.ceiling_s
+        if self._carried and self._steps < COLD_STEPS and self._cold:  # fresh stages warming up
+            p99 = max(p99, max(self._cold))
         return min(self.ceiling_s, max(self.floor_s, self.multiple * p99 * max(tokens, 1)))

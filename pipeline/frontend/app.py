@@ -122,8 +122,10 @@ class Server:
         info = await self.info()
         self.check_model(info, req.model)
         prompts = []
+        split = self.split_special(req)
         for one in reqs.completion_prompts(req):
-            ids = self.tok.encode(one) if isinstance(one, str) else list(one)
+            ids = (self.tok.encode(one, split_special_tokens=split) if isinstance(one, str)
+                   else list(one))
             reqs.check_prompt_ids(ids, info.vocab_size, "prompt")
             prompts.append(ids)
         return await self._generate(request, req, prompts, info)
@@ -132,8 +134,15 @@ class Server:
         req = reqs.parse_chat_request(await read_json(request, self.settings))
         info = await self.info()
         self.check_model(info, req.model)
-        ids = self.tok.chat_prompt(reqs.chat_messages_as_dicts(req), req.add_generation_prompt)
+        ids = self.tok.chat_prompt(reqs.chat_messages_as_dicts(req), req.add_generation_prompt,
+                                   split_special_tokens=self.split_special(req))
         return await self._generate(request, req, [ids], info)
+
+    def split_special(self, req: AnyRequest) -> bool:
+        """Whether the client's special-token text stays text (the request, else the server)."""
+        if req.split_special_tokens is not None:
+            return req.split_special_tokens
+        return self.settings.split_special_tokens
 
     def _jobs(self, req: AnyRequest, prompts: list[list[int]], info: ModelInfo,
               grammar: Any = None) -> list[ChoiceJob]:

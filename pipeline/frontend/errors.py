@@ -16,7 +16,12 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from pipeline.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
+from pipeline.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    GrammarOutputError,
+    RequestTimeoutError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +133,9 @@ def error_for(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ClientGone):
         return APIError(499, "client closed the request", code="client_closed_request")
+    if isinstance(exc, GrammarOutputError):  # the message is the matcher's, client-safe
+        return APIError(400, f"structured output: the grammar could not accept the output: "
+                        f"{client_text(str(exc), 300)}", code="invalid_grammar")
     if isinstance(exc, EngineOverloadedError):
         return logged_error(429, "server is overloaded, retry later", exc,
                             type="rate_limit_error", code="engine_overloaded")

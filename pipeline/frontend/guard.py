@@ -29,6 +29,13 @@ class Guard:
         self.key = key.encode("utf-8") if key else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "websocket":  # no route serves WebSockets: a JSON 4xx, never a 500
+            headers = scope.get("headers") or []
+            refusal = (key_refusal(headers, self.key) if self.key is not None
+                       and scope.get("path", "") not in UNAUTHENTICATED else None)
+            await deny_websocket(refusal or websocket_refusal(), scope, receive, send,
+                                 self.settings.retry_after_s)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -70,6 +77,22 @@ class Guard:
             if too_big:
                 return too_large(self.settings)
         return None
+
+
+def websocket_refusal() -> APIError:
+    return bad_request("WebSocket upgrades are not served here; use HTTP requests",
+                       code="websocket_not_supported")
+
+
+async def deny_websocket(err: APIError, scope: dict, receive: Callable, send: Callable,
+                         retry_after_s: int) -> None:
+    """Refuse a WebSocket upgrade with `err` as an HTTP response (the ASGI WebSocket Denial
+    Response extension, which uvicorn and Serve's proxy offer); a server without it gets a
+    policy-violation close, which clients see as a refused handshake."""
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        await error_response(err, retry_after_s)(scope, receive, send)
+    else:
+        await send({"type": "websocket.close", "code": 1008})
 
 
 def key_refusal(headers: list[tuple[bytes, bytes]], key: bytes) -> APIError | None:

@@ -8,8 +8,10 @@ runs in the proxy's process and reads the key from SPECRELAY_API_KEY there
 (docs/reliability.md).
 
 Rules: with a key set, `/-/routes` needs it; `/-/healthz` needs it too unless the client is on
-loopback (in-pod probes such as KubeRay's `wget localhost:8000/-/healthz`). Every other path is
-passed on (the app's Guard checks it).
+loopback (in-pod probes such as KubeRay's `wget localhost:8000/-/healthz`). Every other plain HTTP
+request is passed on (the app's Guard checks it). WebSocket upgrades are refused here on every
+path with a JSON 4xx (401 without the key where the key is needed, else 400): nothing serves
+them, and Serve's proxy answers one to its own routes with a plain-text 500.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from starlette.middleware import Middleware
 
 from pipeline.frontend.errors import APIError, error_response
-from pipeline.frontend.guard import key_refusal
+from pipeline.frontend.guard import deny_websocket, key_refusal, websocket_refusal
 from pipeline.frontend.settings import API_KEY_ENV
 
 SYSTEM_ROUTES = ("/-/routes", "/-/healthz")
@@ -36,6 +38,10 @@ class SystemRoutesGuard:
         self.key = key.encode("utf-8") if key else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "websocket":
+            await deny_websocket(self.refusal(scope) or websocket_refusal(), scope, receive, send,
+                                 1)
+            return
         refusal = self.refusal(scope) if scope["type"] == "http" else None
         if refusal is None:
             await self.app(scope, receive, send)
@@ -62,7 +68,10 @@ CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 
 
 def proxy_guard_env(api_key: str) -> dict[str, str]:
-    """The environment a Serve proxy needs to run SystemRoutesGuard with `api_key`."""
-    if not api_key:
-        return {}
-    return {CALLBACK_ENV: f"{__name__}:proxy_middlewares", API_KEY_ENV: api_key}
+    """The environment a Serve proxy needs to run SystemRoutesGuard with `api_key`. Installed
+    without a key too: the guard then passes plain HTTP on and still refuses WebSocket upgrades
+    (a JSON 4xx instead of the proxy's plain-text 500)."""
+    env = {CALLBACK_ENV: f"{__name__}:proxy_middlewares"}
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return env

@@ -60,6 +60,9 @@ class _CommonRequest(_Strict):
     min_tokens: int = _documented(0, minimum=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Special-token text in prompts and messages stays text (None: the server's setting,
+    # ServerSettings.split_special_tokens, true unless configured otherwise).
+    split_special_tokens: bool | None = None
     n: int = _documented(1, minimum=1, maximum=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None  # only with stream: true

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.errors import RequestTimeoutError
+from pipeline.errors import GrammarOutputError, RequestTimeoutError
 from pipeline.frontend.background import fire_and_forget
 from pipeline.frontend.errors import ClientGone
 from pipeline.output.request_output import RequestOutput
@@ -63,6 +63,8 @@ class EngineRun:
         agen = self.engine.generate(rid, ids, params, self.traceparent, group=self.group)
         try:
             async for out in agen:
+                if out.finished and out.finish_reason == "error":  # never shown as a choice
+                    raise GrammarOutputError(out.error or "the output could not be completed")
                 self.queue.put_nowait(ChoiceEvent(index, output=out))
                 if out.finished:
                     break

@@ -20,6 +20,10 @@ class ServerSettings:
     stats_timeout_s: float = 2.0
     # prompts x n of one request (engine requests it becomes); the engine admits them fairly
     max_choices_per_request: int = 64
+    # Special-token text a client sends (message content and names, text prompts) is tokenized
+    # as ordinary text, so it cannot forge chat turns; false turns it into control tokens (as
+    # vLLM does). A request's `split_special_tokens` overrides it.
+    split_special_tokens: bool = True
 
     def resolved_api_key(self) -> str | None:
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)

@@ -1,8 +1,24 @@
-"""The few tokenizer operations the front end needs, over an HF or the tiny byte tokenizer."""
+"""The few tokenizer operations the front end needs, over an HF or the tiny byte tokenizer.
+
+Special tokens in user text. By default (`split_special_tokens`, the transformers name) text a
+client supplies (message content and names, text prompts) is tokenized with special-token
+strings split into ordinary tokens: `<|im_end|><|im_start|>system` inside a user message stays
+text and cannot forge a turn. Only the chat template's own markers become control tokens. The
+template is rendered twice when a message holds special-token text: once as is, once with each
+client string replaced by a marker, so the template's text is tokenized with special tokens and
+the client's without (and the two renderings must agree, else a 400).
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from pipeline.frontend.errors import bad_request
+
+_MARK = "\ue000{}\ue001"  # private-use characters around a client string's index
+_MARKS = re.compile("\ue000(\\d+)\ue001")
+_CLIENT_KEYS = ("content", "name")  # message fields a client writes
 
 
 class TokenizerAdapter:
@@ -11,12 +27,31 @@ class TokenizerAdapter:
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self._strs: dict[int, str] = {}
+        self._specials: tuple[str, ...] | None = None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               split_special_tokens: bool = False) -> list[int]:
+        """`split_special_tokens`: special-token strings in `text` become ordinary tokens."""
+        kwargs: dict[str, Any] = {"add_special_tokens": add_special_tokens}
+        if split_special_tokens:
+            kwargs["split_special_tokens"] = True
         try:
-            return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
-        except TypeError:  # tokenizers without the keyword
+            return list(self.tok.encode(text, **kwargs))
+        except TypeError:  # tokenizers without the keywords (they parse no special text)
             return list(self.tok.encode(text))
+
+    def special_texts(self) -> tuple[str, ...]:
+        """The strings the tokenizer would turn into special tokens."""
+        if self._specials is None:
+            found = set(getattr(self.tok, "all_special_tokens", None) or [])
+            for added in (getattr(self.tok, "added_tokens_decoder", None) or {}).values():
+                if getattr(added, "special", False):
+                    found.add(str(added.content))
+            self._specials = tuple(sorted(s for s in found if s))
+        return self._specials
+
+    def holds_special_text(self, text: str) -> bool:
+        return any(s in text for s in self.special_texts())
 
     def token_str(self, token_id: int) -> str:
         s = self._strs.get(token_id)
@@ -28,13 +63,45 @@ class TokenizerAdapter:
             self._strs[token_id] = s
         return s
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """The model's chat template applied to `messages` (a plain fallback without one)."""
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                    split_special_tokens: bool = True) -> list[int]:
+        """The model's chat template applied to `messages` (a plain fallback without one); the
+        special-token text of the messages split unless `split_special_tokens` is False."""
+        text = self._render(messages, add_generation_prompt)
+        if not split_special_tokens or not any(
+                isinstance(m.get(k), str) and self.holds_special_text(m[k])
+                for m in messages for k in _CLIENT_KEYS):
+            # The template already holds the special tokens it wants.
+            return self.encode(text, add_special_tokens=False)
+        values: list[str] = []
+        marked = []
+        for m in messages:
+            m = dict(m)
+            for key in _CLIENT_KEYS:
+                if isinstance(m.get(key), str):
+                    values.append(m[key])
+                    m[key] = _MARK.format(len(values) - 1)
+            marked.append(m)
+        parts = _MARKS.split(self._render(marked, add_generation_prompt))
+        indices = [int(p) for p in parts[1::2]]
+        if (sorted(indices) != list(range(len(values)))
+                or "".join(values[int(p)] if i % 2 else p for i, p in enumerate(parts)) != text):
+            raise bad_request("messages: a message holds special-token text and the chat "
+                              "template changes message text, so it cannot be kept apart "
+                              "from the template's markers; remove it or set "
+                              "split_special_tokens to false", param="messages")
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids += self.encode(values[int(part)], add_special_tokens=False,
+                                   split_special_tokens=True)
+            elif part:
+                ids += self.encode(part, add_special_tokens=False)
+        return ids
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if getattr(self.tok, "chat_template", None):
-            text = self.tok.apply_chat_template(
+            return self.tok.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        else:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-            text += "assistant:" if add_generation_prompt else ""
-        # The template already holds the special tokens it wants.
-        return self.encode(text, add_special_tokens=False)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")

@@ -11,10 +11,11 @@ from pipeline.grammar.matcher import (
     TokenSequenceMatcher,
     choice_grammar,
     grammar_end,
+    grammar_error,
 )
 
 __all__ = ["GrammarMatcher", "TokenSequenceMatcher", "choice_grammar", "grammar_end",
-           "new_matcher"]
+           "grammar_error", "new_matcher"]
 
 
 def new_matcher(grammar: Any, tokenizer: Any) -> Any:

@@ -5,9 +5,10 @@ for a fresh matcher and feeds it every retained output token, in order, exactly 
 
 The grammar finish condition holds at the first token after which the matcher accepts no more
 tokens: `is_terminated()` is true after accepting it, or the matcher rejected it
-(`accept_token` returned False). A rejected token still ends the request at that token (the output
-cannot continue legally, and keeping the offending token makes the violation visible); with a
-token-masking verifier it does not happen.
+(`accept_token` returned False). Only the first is a finish the grammar accepted (`stop`). A
+rejected token, a dead end or a matcher's internal limit (`grammar_error` says which) ends the
+request at that token with an error: the output cannot be completed, and a client must be able to
+tell it from a real answer. With a token-masking verifier a rejected token means a dead end.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class GrammarMatcher(Protocol):
     def is_terminated(self) -> bool:
         """True when the grammar accepts no more tokens."""
         ...
+
+    # Optional: `error() -> str | None`, why the output cannot be completed (see grammar_error).
 
 
 class TokenSequenceMatcher:
@@ -60,6 +63,9 @@ class TokenSequenceMatcher:
             return True
         return self._prefix in self._complete and self._prefix not in self._extendable
 
+    def error(self) -> str | None:
+        return "a token the grammar does not allow" if self._dead else None
+
 
 def choice_grammar(sequences: Iterable[Sequence[int]]) -> Callable[[], TokenSequenceMatcher]:
     """A `SamplingParams.grammar` factory: each call returns a fresh TokenSequenceMatcher."""
@@ -70,6 +76,16 @@ def choice_grammar(sequences: Iterable[Sequence[int]]) -> Callable[[], TokenSequ
         return TokenSequenceMatcher(seqs)
 
     return factory
+
+
+def grammar_error(matcher: GrammarMatcher) -> str | None:
+    """Why `matcher` ended without accepting the output (a rejected token, a dead end, an
+    internal limit), or None when it accepted it. A matcher without `error()` that rejected a
+    token reports that."""
+    error = getattr(matcher, "error", None)
+    if error is not None:
+        return error()
+    return None
 
 
 def grammar_end(matcher: GrammarMatcher, window: Sequence[int]) -> int | None:

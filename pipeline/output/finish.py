@@ -10,9 +10,13 @@ returns the earliest position `f` at which a condition holds, or None:
   holding its last character). Text is not a function of the window alone, so the caller finds it
   (`pipeline.output.text.find_stop`, which applies `min_new_tokens` below) and passes it in;
 - grammar: the request's grammar accepts no more tokens after `t` (`pipeline.grammar.grammar_end`);
+  when the matcher did not accept the output there (it rejected `t`, met a dead end or one of
+  its internal limits: `pipeline.grammar.grammar_error`) the finish is a grammar *error*
+  (reason "error", internal: the front end turns it into an error response, never a choice);
 - length: position `max_new_tokens - 1`.
 
-At one position the order is stop token, stop string, grammar, length (`FinishKind` order).
+At one position the order is grammar error, stop token, stop string, grammar, length
+(`FinishKind` order): a token the grammar rejected is never reported as a stop.
 `Finish.kind_name` is the finish kind every later stage reads (`RequestOutput.finish_kind`).
 
 `min_new_tokens` and stop strings: a stop string completing at a position `< min_new_tokens` is
@@ -37,6 +41,7 @@ class FinishKind(IntEnum):
     """Which condition ended a request; the value is the tie order at one position (EOS and
     STOP_TOKEN never tie: one token is one or the other)."""
 
+    GRAMMAR_ERROR = -1
     EOS = 0
     STOP_TOKEN = 1
     STOP_STRING = 2
@@ -65,14 +70,17 @@ class Finish:
     pos: int  # output position f of the last retained token
     kind: FinishKind
     matched: int | str | None  # stop token id, stop string, or None (grammar, length)
+    error: str | None = None  # GRAMMAR_ERROR: why the grammar could not accept the output
 
     @property
     def reason(self) -> str:
+        if self.kind is FinishKind.GRAMMAR_ERROR:
+            return "error"
         return "length" if self.kind is FinishKind.LENGTH else "stop"
 
     @property
     def kind_name(self) -> str:
-        """"eos", "stop_token", "stop_string", "grammar" or "length"."""
+        """"grammar_error", "eos", "stop_token", "stop_string", "grammar" or "length"."""
         return self.kind.name.lower()
 
     @property
@@ -86,11 +94,13 @@ def find_finish(
     rules: StopRules,
     stop_string: StopStringHit | None = None,
     grammar_index: int | None = None,
+    grammar_error: str | None = None,
 ) -> Finish | None:
     """The earliest finish in `window` (output positions `start..start+len(window)-1`), or None.
 
     `stop_string`: the earliest stop-string completion at a position >= min_new_tokens (None when
-    none completes in the window). `grammar_index`: index in `window` where the grammar ended.
+    none completes in the window). `grammar_index`: index in `window` where the grammar ended;
+    `grammar_error`: why it ended without accepting the output there (None: it accepted it).
     """
     end = start + len(window)
     best: Finish | None = None
@@ -109,7 +119,11 @@ def find_finish(
             raise ValueError(f"stop-string hit at {stop_string.pos} outside [{start}, {end})")
         candidates.append(Finish(stop_string.pos, FinishKind.STOP_STRING, stop_string.stop))
     if grammar_index is not None:
-        candidates.append(Finish(start + grammar_index, FinishKind.GRAMMAR, None))
+        if grammar_error is not None:
+            candidates.append(Finish(start + grammar_index, FinishKind.GRAMMAR_ERROR, None,
+                                     grammar_error))
+        else:
+            candidates.append(Finish(start + grammar_index, FinishKind.GRAMMAR, None))
     if end >= rules.max_new_tokens:
         candidates.append(Finish(rules.max_new_tokens - 1, FinishKind.LENGTH, None))
     for c in candidates:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.grammar import grammar_end, new_matcher
+from pipeline.grammar import grammar_end, grammar_error, new_matcher
 from pipeline.output.detokenizer import Detokenizer
 from pipeline.output.finish import Finish, FinishKind, StopRules, find_finish
 from pipeline.output.request_output import RequestOutput
@@ -47,6 +47,7 @@ STOP_TABLE_MAX = 1 << 22  # stop ids below this are found with a bool lookup tab
 
 _BY_TOKEN = (FinishKind.EOS, FinishKind.STOP_TOKEN)
 _STATUS = {
+    FinishKind.GRAMMAR_ERROR: RequestStatus.FINISHED_ERROR,
     FinishKind.EOS: RequestStatus.FINISHED_STOP,
     FinishKind.STOP_TOKEN: RequestStatus.FINISHED_STOP,
     FinishKind.STOP_STRING: RequestStatus.FINISHED_STOP,
@@ -205,9 +206,13 @@ class OutputProcessor:
         for i, st in step.slow:
             window = toks[offs[i] : offs[i + 1]]
             gi = grammar_end(st.grammar, window) if st.grammar is not None else None
+            error = None
             if gi is not None:
+                error = grammar_error(st.grammar)
                 step.grammar_at[i] = gi
-            fin = find_finish(window, len(st.output_ids), st.rules, None, gi)
+                if error is not None:
+                    step.grammar_errors[i] = error
+            fin = find_finish(window, len(st.output_ids), st.rules, None, gi, error)
             if fin is not None:
                 step.fins[i] = fin
 
@@ -236,7 +241,8 @@ class OutputProcessor:
                 if match is not None:  # rare: the finish rules weigh it against the others
                     window = toks[offs[i] : offs[i + 1]]
                     fin = fins[i] = find_finish(window, len(st.output_ids), st.rules, match.hit,
-                                                step.grammar_at.get(i))
+                                                step.grammar_at.get(i),
+                                                step.grammar_errors.get(i))
                     if fin.kind is FinishKind.STOP_STRING:
                         stop = params.include_stop_str_in_output
                         texts[i] = (stop_text(ts, wt, match, stop), None)
@@ -296,6 +302,7 @@ class OutputProcessor:
         st.finished_len = fin.finished_len
         st.matched_stop = fin.matched
         st.finish_step = step
+        st.error = fin.error
         self._retire(st)
 
     # -- helpers --------------------------------------------------------------------------------
@@ -366,6 +373,7 @@ def _delta(
         stats.accepted_tokens,  # spec_accepted_tokens
         stats.histogram.copy(),  # spec_acceptance_histogram
         stats.draft_tokens,  # spec_draft_tokens
+        st.error,  # error
     )
 
 
@@ -382,4 +390,5 @@ class _Step:
     want_lp: bool = False
     fins: dict[int, Finish] = field(default_factory=dict)
     grammar_at: dict[int, int] = field(default_factory=dict)  # window index the grammar ended
+    grammar_errors: dict[int, str] = field(default_factory=dict)  # ... without accepting
     texts: dict[int, tuple[str, TextUpdate | None]] = field(default_factory=dict)

@@ -21,9 +21,12 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None
-    # What ended it: "eos" | "stop_token" | "stop_string" | "grammar" | "length" | "abort" | None
-    # (pipeline.output.finish.FinishKind; "eos" is an EOS id not also in stop_token_ids)
+    # "stop" | "length" | "abort" | None, or "error" (internal: the request failed, `error` says
+    # why; the front end answers with an error body / stream event, never a choice)
+    finish_reason: str | None = None
+    # What ended it: "eos" | "stop_token" | "stop_string" | "grammar" | "grammar_error" |
+    # "length" | "abort" | None (pipeline.output.finish.FinishKind; "eos" is an EOS id not also in
+    # stop_token_ids)
     finish_kind: str | None = None
     matched_stop: int | str | None = None
     finished_len: int | None = None
@@ -32,6 +35,7 @@ class RequestOutput:
     spec_accepted_tokens: int = 0
     spec_acceptance_histogram: list[int] = field(default_factory=list)
     spec_draft_tokens: int = 0
+    error: str | None = None  # finish_reason "error": what went wrong (client-safe text)
 
 
 @dataclass

@@ -23,6 +23,7 @@ class RequestStatus(Enum):
     FINISHED_STOP = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # internal: the front end answers with an error, never a choice
 
     @property
     def finished(self) -> bool:
@@ -73,6 +74,7 @@ class RequestState:
     finished_len: int | None = None
     matched_stop: int | str | None = None
     finish_kind: str | None = None  # RequestOutput.finish_kind
+    error: str | None = None  # FINISHED_ERROR: what went wrong (RequestOutput.error)
     finish_step: int | None = None
     last_step: int = -1  # newest step applied: a replayed or stale step is dropped, not re-applied
     logprobs_sent: int = 0

@@ -61,7 +61,9 @@ else a fresh random one. Args: (list $ secretName key given).
 {{- end }}
 {{- end }}
 
-{{/* Env shared by every Ray container: tracing, API key, Ray token auth, extras. */}}
+{{/* Env shared by every Ray container: tracing, API key, Serve proxy guard, Ray token auth,
+extras. The Serve proxy (one per node) runs pipeline.frontend.proxy_guard's middleware, which
+keys its own /-/routes and /-/healthz with SPECRELAY_API_KEY (docs/reliability.md). */}}
 {{- define "specrelay.env" -}}
 - name: OTEL_SERVICE_NAME
   value: {{ .Values.otel.serviceName | quote }}
@@ -70,6 +72,8 @@ else a fresh random one. Args: (list $ secretName key given).
     secretKeyRef:
       name: {{ include "specrelay.apiKeySecret" . }}
       key: {{ .Values.specrelay.apiKey.secretKey }}
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: "pipeline.frontend.proxy_guard:proxy_middlewares"
 {{- if .Values.rayAuth.enabled }}
 - name: RAY_AUTH_MODE
   value: token
@@ -156,6 +160,7 @@ applications:
     import_path: actors.serve_app:build_app
     args:
       config: {{ $s.config | quote }}
+      max_choices_per_request: {{ $s.maxChoicesPerRequest }}
       overrides:
         {{- toYaml $overrides | nindent 8 }}
     # A stopping replica gives in-flight requests the preStop drain period (docs/reliability.md).
