@@ -175,13 +175,14 @@ class Scheduler:
             plan.ks.append(max(0, min(self.k, req.remaining - 1,
                                       self.max_model_len - req.seq_len)))
         plan.caps = list(plan.ks)
-        pinned = [r.params.seed is not None and r.params.temperature > 0 for r in decode]
         # a drain: nothing waits or will come, every running request is past its prefill
         drain = (self._closed and not self.waiting and not admitted
                  and all(r.num_output > 0 for r in self.running.values()))
-        plan.ks = self.spec.choose(plan.decode, plan.ks, pinned,
+        # No k is pinned: a seeded request's output does not depend on its drafts (its
+        # randomness is keyed by output position, pipeline.verify.acceptance).
+        plan.ks = self.spec.choose(plan.decode, plan.ks, None,
                                    [r.remaining for r in decode] if drain else None)
-        plan.min_gains = self.spec.min_gains(plan.decode, pinned)
+        plan.min_gains = self.spec.min_gains(plan.decode)
         for req in admitted:
             req.status = Status.RUNNING
             self.running[req.rid] = req
