@@ -283,6 +283,48 @@ def test_seeded_sampling_is_reproducible_through_the_speculative_engine():
     assert other != first and len(first) == 30
 
 
+SEEDED = SamplingParams(max_new_tokens=40, temperature=0.5, top_k=50, top_p=0.95, seed=7,
+                        ignore_eos=True)
+
+
+def seeded_phases(draft: str, speculation: str) -> tuple[list[list[int]], int]:
+    """One engine drafting with `draft`: the seeded request alone, after other traffic (the
+    same prompt, same and other seeds, other prompts: what a suffix index learns from), and
+    during it. Its token ids in each phase, and the drafts proposed for it."""
+    core = build_local_engine(load_config(CONFIG, {**PLACEMENT, "draft": draft, "ngram_min_n": 1,
+                                                   "speculation": speculation}))
+    prompt = PROMPTS[0]
+    traffic = [(f"t{i}", prompt, SamplingParams(max_new_tokens=40, temperature=0.5, seed=i,
+                                                ignore_eos=True)) for i in (7, 8, 9)]
+    traffic += [(f"u{i}", PROMPTS[i], SamplingParams(max_new_tokens=20, temperature=1.0))
+                for i in (1, 3, 6)]
+
+    def phase(tag: str, others: list) -> tuple[list[int], int]:
+        rename = [(f"{tag}-{rid}", p, params) for rid, p, params in others]
+        out = asyncio.run(collect(core, [(tag, prompt, SEEDED)] + rename))
+        return out[tag].token_ids, out[tag].last.spec_draft_tokens
+
+    alone, d1 = phase("alone", [])
+    asyncio.run(collect(core, traffic))
+    after, d2 = phase("after", [])
+    during, d3 = phase("during", traffic)
+    return [alone, after, during], d1 + d2 + d3
+
+
+def test_seeded_request_reproduces_alone_after_and_during_traffic_whatever_the_drafts():
+    # DESIGN "Seeds": a position's randomness depends on (seed, position) only, so neither the
+    # drafter (its drafts depend on other traffic under suffix drafting) nor k changes a token
+    runs = {(draft, spec): seeded_phases(draft, spec)
+            for draft in ("none", "ngram", "suffix", "model") for spec in ("fixed", "adaptive")
+            if draft != "none" or spec == "fixed"}
+    expected = runs["none", "fixed"][0][0]
+    assert len(expected) == 40
+    for (draft, spec), (phases, drafted) in runs.items():
+        assert phases == [expected] * 3, (draft, spec)
+        if spec == "fixed":
+            assert (drafted > 0) == (draft != "none"), draft
+
+
 def test_full_queue_raises_overloaded_before_queueing():
     core = build_local_engine(load_config(CONFIG, {"max_waiting": 2}))
 
