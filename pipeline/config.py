@@ -65,13 +65,18 @@ class EngineConfig:
     ngram_max_n: int = 4
     # draft: suffix (pipeline.draft.suffix): drafts up to num_speculative_tokens long, cut where
     # the continuation's frequency score drops below suffix_min_score or past
-    # suffix_spec_factor * the matched length; the global index keeps the outputs of the last
-    # suffix_global_requests finished requests, at most suffix_global_tokens tokens.
+    # suffix_spec_factor * the matched length; each tenant's shared index keeps the outputs of
+    # its last suffix_global_requests finished requests; all tenants' indexes together hold at
+    # most suffix_global_tokens tokens and suffix_max_tenants indexes. A tenant is an API key
+    # and `user`; suffix_share_across_tenants pools them into one index, which lets one tenant
+    # learn another's recent text through its drafts (docs/suffix-drafting.md, "Tenants").
     suffix_max_depth: int = 32
     suffix_min_score: float = 0.1
     suffix_spec_factor: float = 1.0
     suffix_global_requests: int = 1000
     suffix_global_tokens: int = 262_144
+    suffix_share_across_tenants: bool = False
+    suffix_max_tenants: int = 64
     torch_threads: int | None = None  # per actor; None leaves torch's default
     # Engine and output actors: gen-0 GC threshold after a gc.freeze() (pipeline.gc_tuning);
     # None leaves CPython's defaults.
@@ -93,6 +98,10 @@ class EngineConfig:
         _positive_int("suffix_global_requests", self.suffix_global_requests)
         _positive_int("suffix_global_tokens", self.suffix_global_tokens, minimum=64)
         _positive_number("suffix_spec_factor", self.suffix_spec_factor)
+        _positive_int("suffix_max_tenants", self.suffix_max_tenants)
+        if self.suffix_share_across_tenants is not True and \
+                self.suffix_share_across_tenants is not False:
+            raise ValueError("suffix_share_across_tenants: must be a boolean")
         if isinstance(self.suffix_min_score, bool) or not isinstance(
                 self.suffix_min_score, (int, float)) or not 0 <= self.suffix_min_score <= 1:
             raise ValueError(f"suffix_min_score: must be a number in [0, 1], "

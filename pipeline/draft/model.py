@@ -32,7 +32,8 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self._seqs: dict[str, _DraftSeq] = {}
 
-    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+            tenant: str = "") -> None:
         if rid in self._seqs:
             raise ValueError(f"draft: request {rid!r} already added")
         slot = self.runner.allocate()

@@ -42,6 +42,7 @@ class EngineRequest:
     last_token: int = -1  # newest token; not yet in the target KV cache
     pending: list[int] = field(default_factory=list)  # last step's tokens, not yet committed
     group: str = ""  # the client request it belongs to (fair admission); "" = its own rid
+    tenant: str = ""  # hash of its API key and `user` (pipeline.frontend.tenant); "" anonymous
     seq: int = 0  # arrival order, set when queued
 
     def __post_init__(self) -> None:
@@ -88,9 +89,10 @@ class Scheduler:
 
     # --- requests in and out --------------------------------------------------------------
     def prepare(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                group: str | None = None) -> EngineRequest:
+                group: str | None = None, tenant: str = "") -> EngineRequest:
         """Validate a request and cap its output at max_model_len; queues nothing. `group`: the
-        client request it belongs to (its choices share one), None for a request of its own.
+        client request it belongs to (its choices share one), None for a request of its own;
+        `tenant`: who sent it (carried to the stages in NewRequest).
         Raises ValueError (bad prompt, id in use) or EngineOverloadedError (queue full)."""
         if rid in self.running or rid in self.waiting:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -100,7 +102,7 @@ class Scheduler:
         cap = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
         params = dataclasses.replace(params, max_new_tokens=cap,
                                      min_new_tokens=min(params.min_new_tokens, cap))
-        return EngineRequest(rid, list(prompt_ids), params, group=group or rid)
+        return EngineRequest(rid, list(prompt_ids), params, group=group or rid, tenant=tenant)
 
     def enqueue(self, req: EngineRequest, last: bool = False) -> EngineRequest:
         """`last`: the client sends no request after this one (a batch job's final prompt), so
@@ -186,7 +188,7 @@ class Scheduler:
         for req in admitted:
             req.status = Status.RUNNING
             self.running[req.rid] = req
-            plan.new.append(NewRequest(req.rid, req.prompt_ids, req.params))
+            plan.new.append(NewRequest(req.rid, req.prompt_ids, req.params, req.tenant))
         return plan
 
     def _steppable(self, req: EngineRequest) -> bool:
