@@ -53,6 +53,10 @@ class EngineConfig:
     # Slots only a client request holding none may take, so a fan-out (n, prompt lists) cannot
     # make a newcomer wait for a whole generation; at most num_slots - 1 take effect.
     reserved_slots: int = 1
+    # Waiting places a client request's second and later choices may not take: a fan-out
+    # (n, prompt lists) fills at most max_waiting - reserved_waiting places, so single requests
+    # are not refused (429) while fan-outs fill the queue. None: max_waiting // 4.
+    reserved_waiting: int | None = None
     overlap: bool = True
     # Hang detection (pipeline.engine.stall): a step is stalled after
     # clamp(step_timeout_p99_multiple * recent p99 seconds/token * its tokens,
@@ -92,6 +96,11 @@ class EngineConfig:
         _positive_int("max_model_len", self.max_model_len, minimum=2)
         _positive_int("max_waiting", self.max_waiting, minimum=0)
         _positive_int("reserved_slots", self.reserved_slots, minimum=0)
+        if self.reserved_waiting is not None:
+            _positive_int("reserved_waiting", self.reserved_waiting, minimum=0)
+            if self.reserved_waiting > self.max_waiting:
+                raise ValueError(f"reserved_waiting: {self.reserved_waiting} is more than "
+                                 f"max_waiting {self.max_waiting}")
         _positive_int("ngram_min_n", self.ngram_min_n)
         _positive_int("ngram_max_n", self.ngram_max_n, minimum=self.ngram_min_n)
         _positive_int("suffix_max_depth", self.suffix_max_depth)
@@ -136,6 +145,11 @@ class EngineConfig:
         parse_placement(self.placement)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError("device: must be a device string such as cpu or cuda")
+
+    @property
+    def waiting_reserve(self) -> int:
+        """reserved_waiting, its default resolved (a quarter of the queue)."""
+        return self.max_waiting // 4 if self.reserved_waiting is None else self.reserved_waiting
 
     @property
     def spec_settings(self) -> SpecSettings:

@@ -573,3 +573,66 @@ def test_a_request_id_reused_right_after_a_stop_gets_none_of_the_old_requests_to
     released = next(i for i, (_, release) in enumerate(plans) if "same" in release)
     assert len(admitted) == 2 and admitted[1] > released
     assert core.scheduler.free_slots == core.scheduler.num_slots
+
+
+def test_fan_outs_filling_the_queue_never_refuse_a_single_small_request():
+    # issue 42: 8 clients sending 64-choice requests filled the 256-place queue and a 4-token
+    # request got 429 23 times in 47; the reserve (reserved_waiting) keeps places for it
+    core = build_local_engine(load_config(CONFIG, {**PLACEMENT, "max_waiting": 256,
+                                                   "draft": "ngram"}))
+    fan = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True)
+    small = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    refusals = {"fan": 0, "small": 0}
+    latencies: list[float] = []
+
+    async def drain(stream) -> None:
+        async for _ in stream:
+            pass
+
+    async def fan_client(c: int) -> None:
+        for attempt in range(1000):  # until cancelled: keep the queue full
+            rids = [f"f{c}-{attempt}-{i}" for i in range(64)]
+            streams = []
+            try:
+                for rid in rids:
+                    streams.append(await core.add_request(rid, [5, 6, 7], fan, group=rids[0]))
+            except EngineOverloadedError:
+                refusals["fan"] += 1
+                for rid in rids[: len(streams)]:
+                    await core.abort(rid)
+                await asyncio.sleep(0.005)
+                continue
+            await asyncio.gather(*(drain(s) for s in streams))
+
+    async def small_client() -> None:
+        for _ in range(500):  # until the fan-outs hold most places open to them (granular:
+            if len(core.scheduler.waiting) >= 160:  # 64 at a time, minus admitted choices)
+                break
+            await asyncio.sleep(0.01)
+        assert len(core.scheduler.waiting) >= 160
+        for i in range(20):
+            t0 = time.monotonic()
+            try:
+                stream = await core.add_request(f"s{i}", [9, 10], small)
+            except EngineOverloadedError:
+                refusals["small"] += 1
+                continue
+            out = [d async for d in stream]
+            assert sum(len(d.token_ids) for d in out) == 4
+            latencies.append(time.monotonic() - t0)
+
+    async def main() -> None:
+        core.start()
+        fans = [asyncio.ensure_future(fan_client(c)) for c in range(8)]
+        await small_client()
+        for task in fans:
+            task.cancel()
+        await asyncio.gather(*fans, return_exceptions=True)
+        await core.stop()
+
+    asyncio.run(main())
+    assert refusals["small"] == 0 and len(latencies) == 20
+    assert refusals["fan"] > 0  # the queue was full for fan-outs meanwhile
+    latencies.sort()
+    print(f"small-request latency p50 {latencies[9]:.3f} s, max (p99) {latencies[-1]:.3f} s; "
+          f"fan-out refusals {refusals['fan']}")

@@ -114,6 +114,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
                                    config.k, vocab_size,
                                    reserved_slots=config.reserved_slots,
+                                   reserved_waiting=config.waiting_reserve,
                                    spec=SpecController(config.spec_settings))
         self.stats = EngineStats()
         self.stall = StallDetector(config.step_timeout_floor_s, config.step_timeout_p99_multiple,

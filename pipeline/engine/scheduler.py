@@ -68,9 +68,11 @@ class EngineRequest:
 class Scheduler:
     def __init__(self, num_slots: int, max_waiting: int, max_model_len: int, k: int,
                  vocab_size: int, reserved_slots: int = 0,
-                 spec: SpecController | None = None) -> None:
+                 spec: SpecController | None = None, reserved_waiting: int = 0) -> None:
         self.num_slots = num_slots
         self.max_waiting = max_waiting
+        # the last places a group's second and later choices may not take (_check_room)
+        self.reserved_waiting = min(reserved_waiting, max_waiting)
         self.max_model_len = max_model_len
         self.k = k
         # Chooses each decode's k under its cap (fixed: the cap itself).
@@ -97,7 +99,7 @@ class Scheduler:
         if rid in self.running or rid in self.waiting:
             raise ValueError(f"request id {rid!r} is already in use")
         self.check_prompt(prompt_ids)
-        self._check_room()
+        self._check_room(group or rid)
         # The engine never writes past max_model_len, so the output may not either.
         cap = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
         params = dataclasses.replace(params, max_new_tokens=cap,
@@ -108,17 +110,26 @@ class Scheduler:
         """`last`: the client sends no request after this one (a batch job's final prompt), so
         the batch drains once it is admitted. Requests of the same batch may still arrive out of
         order after it; one arriving at an idle engine starts a new batch."""
-        self._check_room()
+        self._check_room(req.group)
         if not self.has_work:
             self._closed = False
         self.waiting.push(req)
         self._closed = self._closed or last
         return req
 
-    def _check_room(self) -> None:
-        if len(self.waiting) >= self.max_waiting:
+    def _check_room(self, group: str) -> None:
+        """A place for one more choice of `group`: any free place for a group's first waiting
+        choice, only the first max_waiting - reserved_waiting for its later ones. So no client
+        request holds more than that share, and however many fan-outs arrive, the reserve stays
+        for single requests (and first choices, which a refused fan-out gives back at once)."""
+        waiting = len(self.waiting)
+        if waiting >= self.max_waiting:
             raise EngineOverloadedError(
                 f"waiting queue is full ({self.max_waiting} queued choices); retry later")
+        if self.waiting.count(group) and waiting >= self.max_waiting - self.reserved_waiting:
+            raise EngineOverloadedError(
+                f"waiting queue: the last {self.reserved_waiting} of {self.max_waiting} places "
+                f"are kept for single requests; retry later")
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
