@@ -215,10 +215,10 @@ class Engine:
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                        traceparent: str | None = None, group: str | None = None,
-                       last: bool = False) -> AsyncIterator[RequestOutput]:
+                       last: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """`group`: the client request this one belongs to (the choices of one HTTP request
         share it), for fair admission; None: a group of its own. `last`: a batch job's final
-        request (EngineCore.add_request)."""
+        request; `tenant`: whose drafting state it may share (EngineCore.add_request)."""
         core = self._core()
         # The engine's part of the request's trace (a sibling of the output actor's spec.request).
         span = self.tracer.start_span("spec.engine.request", context=context_from_traceparent(
@@ -228,7 +228,7 @@ class Engine:
         try:
             try:
                 stream = await core.add_request(rid, list(prompt_ids), params, traceparent,
-                                                group, last)
+                                                group, last, tenant)
             except (ValueError, EngineOverloadedError, EngineDeadError):
                 raise  # refused (a refusal from the output actor arrives as a ValueError too)
             except Exception as e:  # noqa: BLE001 - the output actor is gone: fail and rebuild

@@ -42,10 +42,12 @@ class EngineClient:
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                        traceparent: str | None = None, group: str | None = None,
-                       last: bool = False) -> AsyncIterator[RequestOutput]:
+                       last: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """`group`: the client request this choice belongs to (fair admission); `last`: a batch
-        job's final request (the batch drains after it)."""
-        gen = self.handle.generate.remote(rid, prompt_ids, params, traceparent, group, last)
+        job's final request (the batch drains after it); `tenant`: whose drafting state it may
+        share (pipeline.frontend.tenant)."""
+        gen = self.handle.generate.remote(rid, prompt_ids, params, traceparent, group, last,
+                                          tenant)
         finished = False
         try:
             async for ref in gen:

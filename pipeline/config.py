@@ -54,6 +54,10 @@ class EngineConfig:
     # Slots only a client request holding none may take, so a fan-out (n, prompt lists) cannot
     # make a newcomer wait for a whole generation; at most num_slots - 1 take effect.
     reserved_slots: int = 1
+    # Waiting places a client request's second and later choices may not take: a fan-out
+    # (n, prompt lists) fills at most max_waiting - reserved_waiting places, so single requests
+    # are not refused (429) while fan-outs fill the queue. None: max_waiting // 4.
+    reserved_waiting: int | None = None
     overlap: bool = True
     # Hang detection (pipeline.engine.stall): a step is stalled after
     # clamp(step_timeout_p99_multiple * recent p99 seconds/token * its tokens,
@@ -70,13 +74,18 @@ class EngineConfig:
     ngram_max_n: int = 4
     # draft: suffix (pipeline.draft.suffix): drafts up to num_speculative_tokens long, cut where
     # the continuation's frequency score drops below suffix_min_score or past
-    # suffix_spec_factor * the matched length; the global index keeps the outputs of the last
-    # suffix_global_requests finished requests, at most suffix_global_tokens tokens.
+    # suffix_spec_factor * the matched length; each tenant's shared index keeps the outputs of
+    # its last suffix_global_requests finished requests; all tenants' indexes together hold at
+    # most suffix_global_tokens tokens and suffix_max_tenants indexes. A tenant is an API key
+    # and `user`; suffix_share_across_tenants pools them into one index, which lets one tenant
+    # learn another's recent text through its drafts (docs/suffix-drafting.md, "Tenants").
     suffix_max_depth: int = 32
     suffix_min_score: float = 0.1
     suffix_spec_factor: float = 1.0
     suffix_global_requests: int = 1000
     suffix_global_tokens: int = 262_144
+    suffix_share_across_tenants: bool = False
+    suffix_max_tenants: int = 64
     torch_threads: int | None = None  # per actor; None leaves torch's default
     # Engine and output actors: gen-0 GC threshold after a gc.freeze() (pipeline.gc_tuning);
     # None leaves CPython's defaults.
@@ -92,6 +101,8 @@ class EngineConfig:
         check.integer("max_model_len", self.max_model_len, 2)
         check.integer("max_waiting", self.max_waiting, 0)
         check.integer("reserved_slots", self.reserved_slots, 0)
+        if self.reserved_waiting is not None:
+            check.integer("reserved_waiting", self.reserved_waiting, 0, self.max_waiting)
         check.integer("ngram_min_n", self.ngram_min_n, 1)
         check.integer("ngram_max_n", self.ngram_max_n, self.ngram_min_n)
         check.integer("suffix_max_depth", self.suffix_max_depth, 1)
@@ -99,6 +110,10 @@ class EngineConfig:
         check.integer("suffix_global_tokens", self.suffix_global_tokens, 64)
         check.positive("suffix_spec_factor", self.suffix_spec_factor)
         check.number("suffix_min_score", self.suffix_min_score, lo=0, hi=1)
+        check.integer("suffix_max_tenants", self.suffix_max_tenants, 1)
+        if self.suffix_share_across_tenants is not True and \
+                self.suffix_share_across_tenants is not False:
+            raise ValueError("suffix_share_across_tenants: must be a boolean")
         if self.torch_threads is not None:
             check.integer("torch_threads", self.torch_threads, 1)
         if self.gc_gen0_threshold is not None:
@@ -128,6 +143,11 @@ class EngineConfig:
         parse_placement(self.placement)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError("device: must be a device string such as cpu or cuda")
+
+    @property
+    def waiting_reserve(self) -> int:
+        """reserved_waiting, its default resolved (a quarter of the queue)."""
+        return self.max_waiting // 4 if self.reserved_waiting is None else self.reserved_waiting
 
     @property
     def spec_settings(self) -> SpecSettings:

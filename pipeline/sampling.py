@@ -12,11 +12,17 @@ Definitions used across specrelay:
   top_p >= 1 disables it.
 * **Randomness**: every random number comes from a *uniform tensor* the caller can draw itself.
   A request with a seed draws its uniforms from its own ``torch.Generator`` seeded with
-  ``derive_seed(seed, offset, stream)``, where ``offset`` is the output position of the first
-  token the draw decides and ``stream`` names the purpose (draft sampling, acceptance). The
-  draw depends on nothing else, so a seeded request's tokens are reproducible and independent
-  of which other requests share its batch and in which order. Requests without a seed draw from
-  one batched call on a shared generator (the process RNG by default).
+  ``derive_seed(seed, offset, stream)``, where ``offset`` is an output position and ``stream``
+  names the purpose. The draw depends on nothing else, so a seeded request's tokens are
+  reproducible and independent of which other requests share its batch and in which order.
+  Requests without a seed draw from one batched call on a shared generator (the process RNG
+  by default).
+* **Position noise** of a seeded request: the ``V`` uniforms ``u_t`` of
+  ``request_generator(seed, t, STREAM_ACCEPT)`` (``position_uniforms``). Its token at output
+  position ``t`` is ``sample_from_weights(p_t, u_t)`` whatever was drafted (Gumbel-max with
+  noise keyed by (seed, position); the front end gives each choice its own seed), and a seeded
+  draft model draws its draft for position ``t`` from the same ``u_t`` (coupled drafts; see
+  `pipeline.verify.acceptance`).
 * **Sampling from weights** ``w`` (non-negative, not necessarily normalised) with uniforms
   ``u``: ``argmax(w / E)`` with ``E = -log(1 - u)`` exponential; this picks token ``i`` with
   probability ``w_i / sum(w)`` (the exponential-race form of the Gumbel-max trick).
@@ -33,8 +39,9 @@ from torch import Tensor
 
 from pipeline.params import SamplingParams
 
-STREAM_DRAFT = 0  # draft-model sampling of speculative tokens
-STREAM_ACCEPT = 1  # rejection-sampling acceptance tests and the recovered/bonus token
+STREAM_DRAFT = 0  # draft-model sampling of speculative tokens (unused by seeded rows)
+# a seeded request's position noise: the target's sample at a position (and its coupled draft)
+STREAM_ACCEPT = 1
 
 _MASK64 = (1 << 64) - 1
 
@@ -182,6 +189,19 @@ def draw_uniforms(
         rows = torch.tensor(unseeded, dtype=torch.int64, device=device)
         out[rows] = torch.rand((len(unseeded), num), generator=generator, device=device)
     return out
+
+
+def position_uniforms(
+    seed: int,
+    first: int,
+    num: int,
+    vocab: int,
+    device: torch.device | str = "cpu",
+) -> Tensor:  # [num, vocab] float32 uniform in [0, 1)
+    """A seeded request's position noise at output positions ``first .. first + num - 1``: row
+    j comes from ``request_generator(seed, first + j, STREAM_ACCEPT)`` alone, so it is the same
+    whichever step, batch or draft length the position falls in."""
+    return draw_uniforms(vocab, [seed] * num, range(first, first + num), STREAM_ACCEPT, device)
 
 
 def sample_tokens(

@@ -58,6 +58,7 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     groups: dict[str, str | None] = field(default_factory=dict)  # rid -> group
+    tenants: dict[str, str] = field(default_factory=dict)  # rid -> tenant
     lasts: list[str] = field(default_factory=list)  # requests sent as a batch's last
 
     def stream_tokens(self, params: SamplingParams) -> list[int]:
@@ -72,11 +73,12 @@ class FakeEngine:
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                        traceparent: str | None = None, group: str | None = None,
-                       last: bool = False) -> AsyncIterator[RequestOutput]:
+                       last: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
         if len(self.running) >= self.num_slots + self.max_waiting:
             raise EngineOverloadedError(f"queue full ({len(self.running)} requests)")
         self.requests[rid], self.prompts[rid] = params, list(prompt_ids)
         self.groups[rid] = group
+        self.tenants[rid] = tenant
         if last:
             self.lasts.append(rid)
         self.running.add(rid)

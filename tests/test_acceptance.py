@@ -13,11 +13,17 @@ from hypothesis import strategies as st
 from reference_decode import chi2_pvalue
 
 from pipeline.params import SamplingParams
-from pipeline.sampling import SamplingTensors, process_logits, sample_from_weights
+from pipeline.sampling import (
+    SamplingTensors,
+    position_uniforms,
+    process_logits,
+    sample_from_weights,
+)
 from pipeline.verify.acceptance import (
     accept,
     accept_greedy_packed,
     greedy_accept,
+    position_accept,
     rejection_accept,
 )
 
@@ -441,3 +447,91 @@ def test_seeded_request_output_varies_with_its_seed_and_position():
     tokens = res.token_ids[:, 0]
     assert len(set(tokens[:100].tolist())) > 30  # different seeds, different tokens
     assert not torch.equal(tokens[:100], tokens[100:])  # same seeds, other position
+
+
+# -- seeded rows: position-keyed sampling ------------------------------------------------------
+
+
+def _seeded_case_run(case: Case, n: int = 20_000, coupled: bool = False):
+    """n seeded rows (seed = row) of `case` at output position 3: drafts cycle 0, 1, 2, 2 per
+    row. Model drafts are sampled from each row's own position noise (`coupled`, what a seeded
+    draft model does) or from an unrelated generator. Returns (tokens, num_tokens, p, drafts)."""
+    params = SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p)
+    sampling = SamplingTensors.from_params([params] * 3)
+    p = process_logits(_log(case.target), sampling.temperature, sampling.top_k, sampling.top_p)
+    num_drafts = (torch.arange(n) % 4).clamp(max=2)
+    q = None
+    if case.draft is None:
+        drafts = torch.tensor(case.ngram_drafts).expand(n, -1)
+    else:
+        q = process_logits(
+            _log(case.draft), sampling.temperature[:2], sampling.top_k[:2], sampling.top_p[:2]
+        )
+        if coupled:
+            noise = torch.stack([position_uniforms(s, 3, 2, V) for s in range(n)])  # [n, 2, V]
+            drafts = torch.stack([sample_from_weights(q[j].expand(n, -1), noise[:, j])
+                                  for j in range(2)], 1)
+        else:
+            gen = torch.Generator().manual_seed(9)
+            drafts = torch.stack(
+                [torch.multinomial(q[j], n, replacement=True, generator=gen) for j in range(2)], 1
+            )
+        q = q.expand(n, -1, -1)
+    seeded = SamplingTensors.from_params(
+        [SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
+                        seed=s) for s in range(n)])
+    res = accept(drafts, num_drafts, _log(case.target).expand(n, -1, -1), seeded, [3] * n, q)
+    return res.token_ids, res.num_tokens, p, drafts
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_seeded_rows_follow_the_target_distribution(name):
+    # chi-square over seeds, as for the unseeded rows: first, second and third token ~ p
+    tokens, num_tokens, p, _ = _seeded_case_run(CASES[name], coupled=True)
+    pvalues = lossless_pvalues(tokens, num_tokens, p)
+    assert len(pvalues) >= 2 and min(pvalues) > 1e-3, pvalues
+
+
+@pytest.mark.parametrize("name", ["point_mass", "point_mass_unlikely_draft", "q_near", "q_far"])
+def test_seeded_rows_output_the_same_tokens_whatever_was_drafted(name):
+    # each row's tokens are the target's position samples: those of drafting nothing
+    tokens, num_tokens, p, _ = _seeded_case_run(CASES[name], n=2000, coupled=True)
+    for j in range(3):
+        rows = num_tokens > j
+        # without drafts, position 3 + j is row j of the undrafted run at position 3 + j
+        undrafted = torch.stack([
+            sample_from_weights(p[j][None], position_uniforms(s, 3 + j, 1, V))[0]
+            for s in torch.nonzero(rows).squeeze(-1).tolist()])
+        assert torch.equal(tokens[rows, j], undrafted)
+
+
+def test_seeded_point_mass_acceptance_rate_is_p_of_the_draft():
+    # the same acceptance as rejection sampling: draft x kept with probability p(x)
+    _, num_tokens, _, _ = _seeded_case_run(CASES["point_mass"], n=N)
+    has_draft = (torch.arange(N) % 4) > 0
+    rate = float((num_tokens[has_draft] > 1).float().mean())
+    assert abs(rate - P[0][1]) < 0.01
+
+
+def test_seeded_model_drafts_cost_acceptance_within_the_gumbel_coupling_bound():
+    # coupled drafts are kept with probability between (1 - TV) / (1 + TV) and 1 - TV
+    _, num_tokens, _, _ = _seeded_case_run(CASES["q_near"], n=N, coupled=True)
+    has_draft = (torch.arange(N) % 4) > 0
+    rate = float((num_tokens[has_draft] > 1).float().mean())
+    tv = 1 - sum(min(a, b) for a, b in zip(P[0], Q_NEAR[0]))
+    assert (1 - tv) / (1 + tv) - 0.01 < rate < 1 - tv + 0.01, (rate, tv)
+    # uncoupled drafts (sampled from other noise) match only by chance: sum_x p(x) q(x)
+    _, num_tokens, _, _ = _seeded_case_run(CASES["q_near"], n=N, coupled=False)
+    chance = sum(a * b for a, b in zip(P[0], Q_NEAR[0]))
+    rate = float((num_tokens[has_draft] > 1).float().mean())
+    assert abs(rate - chance) < 0.01
+
+
+def test_position_accept_literals():
+    # position samples 4, 1, 0 (peaked p, uniform noise): drafts kept while equal
+    p = torch.nn.functional.one_hot(torch.tensor([[4, 1, 0]]), 5).float()
+    u = torch.full((1, 3, 5), 0.5)
+    tokens, num = position_accept(torch.tensor([[4, 2]]), torch.tensor([2]), p, u)
+    assert tokens.tolist() == [[4, 1, -1]] and num.tolist() == [2]
+    tokens, num = position_accept(torch.tensor([[4, 1]]), torch.tensor([2]), p, u)
+    assert tokens.tolist() == [[4, 1, 0]] and num.tolist() == [3]

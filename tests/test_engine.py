@@ -283,6 +283,48 @@ def test_seeded_sampling_is_reproducible_through_the_speculative_engine():
     assert other != first and len(first) == 30
 
 
+SEEDED = SamplingParams(max_new_tokens=40, temperature=0.5, top_k=50, top_p=0.95, seed=7,
+                        ignore_eos=True)
+
+
+def seeded_phases(draft: str, speculation: str) -> tuple[list[list[int]], int]:
+    """One engine drafting with `draft`: the seeded request alone, after other traffic (the
+    same prompt, same and other seeds, other prompts: what a suffix index learns from), and
+    during it. Its token ids in each phase, and the drafts proposed for it."""
+    core = build_local_engine(load_config(CONFIG, {**PLACEMENT, "draft": draft, "ngram_min_n": 1,
+                                                   "speculation": speculation}))
+    prompt = PROMPTS[0]
+    traffic = [(f"t{i}", prompt, SamplingParams(max_new_tokens=40, temperature=0.5, seed=i,
+                                                ignore_eos=True)) for i in (7, 8, 9)]
+    traffic += [(f"u{i}", PROMPTS[i], SamplingParams(max_new_tokens=20, temperature=1.0))
+                for i in (1, 3, 6)]
+
+    def phase(tag: str, others: list) -> tuple[list[int], int]:
+        rename = [(f"{tag}-{rid}", p, params) for rid, p, params in others]
+        out = asyncio.run(collect(core, [(tag, prompt, SEEDED)] + rename))
+        return out[tag].token_ids, out[tag].last.spec_draft_tokens
+
+    alone, d1 = phase("alone", [])
+    asyncio.run(collect(core, traffic))
+    after, d2 = phase("after", [])
+    during, d3 = phase("during", traffic)
+    return [alone, after, during], d1 + d2 + d3
+
+
+def test_seeded_request_reproduces_alone_after_and_during_traffic_whatever_the_drafts():
+    # DESIGN "Seeds": a position's randomness depends on (seed, position) only, so neither the
+    # drafter (its drafts depend on other traffic under suffix drafting) nor k changes a token
+    runs = {(draft, spec): seeded_phases(draft, spec)
+            for draft in ("none", "ngram", "suffix", "model") for spec in ("fixed", "adaptive")
+            if draft != "none" or spec == "fixed"}
+    expected = runs["none", "fixed"][0][0]
+    assert len(expected) == 40
+    for (draft, spec), (phases, drafted) in runs.items():
+        assert phases == [expected] * 3, (draft, spec)
+        if spec == "fixed":
+            assert (drafted > 0) == (draft != "none"), draft
+
+
 def test_full_queue_raises_overloaded_before_queueing():
     core = build_local_engine(load_config(CONFIG, {"max_waiting": 2}))
 
@@ -531,3 +573,66 @@ def test_a_request_id_reused_right_after_a_stop_gets_none_of_the_old_requests_to
     released = next(i for i, (_, release) in enumerate(plans) if "same" in release)
     assert len(admitted) == 2 and admitted[1] > released
     assert core.scheduler.free_slots == core.scheduler.num_slots
+
+
+def test_fan_outs_filling_the_queue_never_refuse_a_single_small_request():
+    # issue 42: 8 clients sending 64-choice requests filled the 256-place queue and a 4-token
+    # request got 429 23 times in 47; the reserve (reserved_waiting) keeps places for it
+    core = build_local_engine(load_config(CONFIG, {**PLACEMENT, "max_waiting": 256,
+                                                   "draft": "ngram"}))
+    fan = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True)
+    small = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    refusals = {"fan": 0, "small": 0}
+    latencies: list[float] = []
+
+    async def drain(stream) -> None:
+        async for _ in stream:
+            pass
+
+    async def fan_client(c: int) -> None:
+        for attempt in range(1000):  # until cancelled: keep the queue full
+            rids = [f"f{c}-{attempt}-{i}" for i in range(64)]
+            streams = []
+            try:
+                for rid in rids:
+                    streams.append(await core.add_request(rid, [5, 6, 7], fan, group=rids[0]))
+            except EngineOverloadedError:
+                refusals["fan"] += 1
+                for rid in rids[: len(streams)]:
+                    await core.abort(rid)
+                await asyncio.sleep(0.005)
+                continue
+            await asyncio.gather(*(drain(s) for s in streams))
+
+    async def small_client() -> None:
+        for _ in range(500):  # until the fan-outs hold most places open to them (granular:
+            if len(core.scheduler.waiting) >= 160:  # 64 at a time, minus admitted choices)
+                break
+            await asyncio.sleep(0.01)
+        assert len(core.scheduler.waiting) >= 160
+        for i in range(20):
+            t0 = time.monotonic()
+            try:
+                stream = await core.add_request(f"s{i}", [9, 10], small)
+            except EngineOverloadedError:
+                refusals["small"] += 1
+                continue
+            out = [d async for d in stream]
+            assert sum(len(d.token_ids) for d in out) == 4
+            latencies.append(time.monotonic() - t0)
+
+    async def main() -> None:
+        core.start()
+        fans = [asyncio.ensure_future(fan_client(c)) for c in range(8)]
+        await small_client()
+        for task in fans:
+            task.cancel()
+        await asyncio.gather(*fans, return_exceptions=True)
+        await core.stop()
+
+    asyncio.run(main())
+    assert refusals["small"] == 0 and len(latencies) == 20
+    assert refusals["fan"] > 0  # the queue was full for fan-outs meanwhile
+    latencies.sort()
+    print(f"small-request latency p50 {latencies[9]:.3f} s, max (p99) {latencies[-1]:.3f} s; "
+          f"fan-out refusals {refusals['fan']}")

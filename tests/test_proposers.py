@@ -14,6 +14,7 @@ from pipeline.draft.step import build_proposer, draft_step
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
 from pipeline.protocol import NewRequest, StepPlan
+from pipeline.sampling import position_uniforms, sample_from_weights
 
 GREEDY = SamplingParams()
 
@@ -100,12 +101,30 @@ def test_batched_proposals_with_different_k_match_single_requests(pair):
 def test_sampled_drafts_carry_their_distribution_q(pair):
     draft, _ = pair
     p = DraftModelProposer(draft)
-    p.add("s", [3, 4], SamplingParams(temperature=0.7, seed=5))
+    p.add("s", [3, 4], SamplingParams(temperature=0.7))
     out = p.propose(["s"], [3])
     q = out.probs[0]
     assert q.shape == (3, draft.vocab_size)
     assert torch.allclose(q.sum(-1), torch.ones(3), atol=1e-5)
     assert all(q[i, t] > 0 for i, t in enumerate(out.tokens[0]))
+    p.remove("s")
+
+
+def test_seeded_drafts_come_from_the_target_position_noise_and_carry_no_q(pair):
+    # coupled with the target's sample at the same output position (acceptance "Seeded rows")
+    draft, _ = pair
+    p = DraftModelProposer(draft)
+    p.add("u", [3, 4], SamplingParams(temperature=0.7))
+    q0 = p.propose(["u"], [1]).probs[0][0]  # the draft distribution at output position 0
+    p.remove("u")
+    p.add("s", [3, 4], SamplingParams(temperature=0.7, seed=5))
+    out = p.propose(["s"], [3])
+    assert out.probs == [None]
+    expected = sample_from_weights(q0[None], position_uniforms(5, 0, 1, draft.vocab_size))
+    assert out.tokens[0][0] == int(expected[0])
+    p.remove("s")
+    p.add("s", [3, 4], SamplingParams(temperature=0.7, seed=5))
+    assert p.propose(["s"], [3]).tokens == out.tokens
     p.remove("s")
 
 

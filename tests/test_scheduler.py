@@ -241,3 +241,26 @@ def test_a_server_never_drains():
     s.apply(outcome(s.schedule(), {"a": [5]}))
     s.schedule()
     assert spy.remaining == [None, None]  # nothing waits, but more may come
+
+
+def test_fan_outs_leave_the_reserved_waiting_places_to_single_requests():
+    s = Scheduler(1, 12, 32, 4, vocab_size=100, reserved_waiting=4)
+    p = SamplingParams(max_new_tokens=4)
+    add(s, "run", [1], p)
+    s.schedule()  # the one slot is taken: everything else waits
+    refused = []
+    for g in range(3):  # three fan-outs of 6 choices: 8 places are theirs
+        for c in range(6):
+            try:
+                add(s, f"f{g}-{c}", [1], p, group=f"f{g}")
+            except EngineOverloadedError as e:
+                refused.append((g, c, str(e)))
+    assert [(g, c) for g, c, _ in refused] == [(1, c) for c in range(2, 6)] + [
+        (2, c) for c in range(1, 6)]
+    assert "kept for single requests" in refused[0][2]
+    # f2's first choice took one reserved place (a refused fan-out gives it back)
+    assert len(s.waiting) == 9 and s.waiting.count("f2") == 1
+    for i in range(3):  # the rest of the reserve: single requests
+        add(s, f"single{i}", [1], p)
+    with pytest.raises(EngineOverloadedError, match="full"):
+        add(s, "one-too-many", [1], p)

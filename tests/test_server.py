@@ -440,3 +440,20 @@ def test_the_choices_of_one_request_share_its_id_as_their_admission_group():
     r = run(post(engine, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 4}))
     assert r.status_code == 200
     assert set(engine.groups.values()) == {r.json()["id"]} and len(engine.groups) == 4
+
+
+def test_each_api_key_and_user_reaches_the_engine_as_its_own_tenant_hash():
+    engine = FakeEngine(num_slots=8, max_waiting=8)
+
+    async def send(key: str, user: str | None) -> str:
+        body = {"prompt": "a", "max_tokens": 2, **({"user": user} if user else {})}
+        async with client_for(engine, api_key="") as c:
+            r = await c.post("/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+        return engine.tenants[f"{r.json()['id']}-0"]
+
+    a, a_again, b, a_user = (run(send(*x)) for x in
+                             [("key-a", None), ("key-a", None), ("key-b", None), ("key-a", "u1")])
+    assert a == a_again and len({a, b, a_user}) == 3
+    assert all(len(t) == 32 and "key" not in t for t in (a, b, a_user))  # a hash, not the key

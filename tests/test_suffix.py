@@ -137,14 +137,16 @@ def test_global_index_stays_within_its_size_over_10000_requests():
     p = SuffixProposer(SuffixSettings(max_depth=8, global_requests=500, global_tokens=4096,
                                       max_model_len=128))
     rng = np.random.default_rng(0)
-    nbytes = p.global_index.nbytes
+    full = TokenIndex(4096, max_depth=8).nbytes  # allocated at capacity
+    assert p.global_index.nbytes < full  # a new index starts small
     for i in range(10_000):
         rid = f"r{i}"
         p.add(rid, rng.integers(0, 1000, 8).tolist(), GREEDY)
         p.commit(rid, rng.integers(0, 1000, int(rng.integers(1, 20))).tolist())
         p.remove(rid)
         assert len(p.global_index) <= 4096 and p.global_index.num_runs <= 500
-    assert p.global_index.nbytes == nbytes  # preallocated: eviction, never growth
+        assert p.global_index.nbytes <= full  # grown up to capacity, never past it
+    assert p.global_index.nbytes == full
     assert p._seqs == {}
 
 
@@ -268,3 +270,86 @@ def test_adaptive_suffix_engine_is_lossless_and_calibrates_on_the_verified_confi
     assert core.stats.accepted_tokens > 0 and spec.pool.expected > 0  # scored drafts verified
     assert 0 < spec.pool.accepted <= spec.pool.expected * 1.5
     assert spec.tracked == 0  # finished requests leave no state
+
+
+# --- tenants ----------------------------------------------------------------------------------
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=300), st.integers(1, 40))
+def test_a_growing_index_matches_like_a_preallocated_one(seq, every):
+    grown, full = TokenIndex(256, max_depth=6, initial=2), TokenIndex(256, max_depth=6)
+    for i in range(0, len(seq), every):
+        for ix in (grown, full):
+            ix.extend(seq[i:i + every])
+            if i % 3 == 0:
+                ix.end_run()
+        ctx = np.array(seq[max(0, i - 5): i + every])
+        a, b = grown.match(ctx, 8), full.match(ctx, 8)
+        assert (a.tokens, a.confidence, a.match_len) == (b.tokens, b.confidence, b.match_len)
+    assert len(grown) == len(full) and grown.nbytes <= full.nbytes
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode())
+
+
+SECRET = "x7Kq9"
+ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _oracle(share: bool, victim_sends: bool) -> tuple[str, list[list[int]]]:
+    """Issue 42's attack at the proposer: tenant A sends prompts holding a secret (max_tokens 1:
+    the secret is never output); tenant B forces each candidate next character into its context
+    and reads how many drafts it gets. Returns what B recovers and its score rows."""
+    p = SuffixProposer(SuffixSettings(max_model_len=256, share_across_tenants=share))
+    if victim_sends:
+        for i in range(3):
+            rid = f"a{i}"
+            p.add(rid, _bytes(f"note {i}: the vault code is {SECRET}; keep it"), GREEDY, "A")
+            p.finish(rid, _bytes("\n"))
+    known, rows = "", []
+    for _ in SECRET:
+        scores = []
+        for c in ALPHABET:
+            p.add("b", _bytes(f"the vault code is {known}{c}"), GREEDY, "B")
+            scores.append(len(p.propose(["b"], [16]).tokens[0]))
+            p.remove("b")  # nothing generated: B's probes index nothing
+        rows.append(scores)
+        best = max(scores)
+        if scores.count(best) > 1:
+            break  # no candidate stands out: nothing learnt
+        known += ALPHABET[scores.index(best)]
+    return known, rows
+
+
+def test_a_tenant_cannot_read_another_tenants_prompts_through_its_drafts():
+    recovered, rows = _oracle(share=False, victim_sends=True)
+    # B's scores are exactly those of a world where A never sent anything (what varies across
+    # candidates comes from B's own probe text), so they say nothing of the secret
+    assert _oracle(share=False, victim_sends=False) == (recovered, rows)
+    assert not recovered.startswith(SECRET[0])
+    shared, _ = _oracle(share=True, victim_sends=False)
+    assert shared == recovered  # sharing changes nothing while A is silent
+
+
+def test_with_a_shared_index_the_oracle_recovers_the_secret():
+    # the documented trade-off of suffix_share_across_tenants
+    recovered, _ = _oracle(share=True, victim_sends=True)
+    assert recovered == SECRET
+
+
+def test_tenant_indexes_share_a_token_budget_and_drop_the_least_recent_whole():
+    p = SuffixProposer(SuffixSettings(max_depth=4, max_model_len=64, global_tokens=100,
+                                      max_tenants=3))
+    for i, tenant in enumerate(["t0", "t1", "t2", "t3", "t1"]):
+        p.add(f"r{i}", [1, 2, 3, 4], GREEDY, tenant)
+        p.finish(f"r{i}", list(range(10, 40)))
+    assert p.num_tenants == 3 and sum(len(ix) for ix in p._shared.values()) <= 100
+    assert list(p._shared) == ["t2", "t3", "t1"]  # t0 went first (least recently used)
+
+
+def test_build_proposer_reads_the_tenant_config():
+    config = load_config("configs/tiny.yaml", {"draft": "suffix", "suffix_max_tenants": 5,
+                                               "suffix_share_across_tenants": True})
+    p = build_proposer(config)
+    assert p.settings.max_tenants == 5 and p.settings.share_across_tenants
+    with pytest.raises(ValueError, match="suffix_share_across_tenants"):
+        load_config("configs/tiny.yaml", {"suffix_share_across_tenants": "yes"})

@@ -21,8 +21,10 @@ class Proposer(ABC):
     scores_drafts: bool = False
 
     @abstractmethod
-    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Start tracking a request (its sequence is the prompt)."""
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+            tenant: str = "") -> None:
+        """Start tracking a request (its sequence is the prompt). `tenant` (NewRequest.tenant):
+        a proposer that learns across requests keeps what it learns per tenant."""
 
     @abstractmethod
     def propose(self, rids: list[str], ks: list[int]) -> Proposal:

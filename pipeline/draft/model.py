@@ -14,7 +14,7 @@ import torch
 from pipeline.draft.base import Proposal, Proposer
 from pipeline.models.runner import ModelRunner
 from pipeline.params import SamplingParams
-from pipeline.sampling import STREAM_DRAFT, SamplingTensors, sample_tokens
+from pipeline.sampling import STREAM_ACCEPT, SamplingTensors, sample_tokens
 
 
 @dataclass
@@ -32,7 +32,8 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self._seqs: dict[str, _DraftSeq] = {}
 
-    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+            tenant: str = "") -> None:
         if rid in self._seqs:
             raise ValueError(f"draft: request {rid!r} already added")
         slot = self.runner.allocate()
@@ -52,7 +53,9 @@ class DraftModelProposer(Proposer):
             last = torch.cat([lg[-1:] for lg in logits])  # [B, vocab]
             sampling = SamplingTensors.from_params([s.params for s in seqs], last.device)
             offsets = [len(s.tokens) - s.num_prompt + depth for s in seqs]
-            picked, q = sample_tokens(last, sampling, offsets, STREAM_DRAFT)
+            # a seeded row draws from its position noise, the one the target's sample at that
+            # position uses: coupled drafts (pipeline.verify.acceptance, "Seeded rows")
+            picked, q = sample_tokens(last, sampling, offsets, STREAM_ACCEPT)
             for row, i in enumerate(active):
                 tokens[i].append(int(picked[row]))
                 probs[i].append(q[row].cpu())  # q travels between processes on the CPU
@@ -62,8 +65,9 @@ class DraftModelProposer(Proposer):
             depth += 1
             active = [i for i in active if len(tokens[i]) < ks[i]]
             runs = {i: [tokens[i][-1]] for i in active}
-        # Greedy drafts are point masses: send no q (a [k, vocab] tensor per request per step).
-        out_probs = [None if self._seqs[rid].params.greedy else _stack(p, self.runner.vocab_size)
+        # Greedy drafts are point masses and seeded ones are verified by equality with the
+        # target's sample: send no q (a [k, vocab] tensor per request per step).
+        out_probs = [None if _no_q(self._seqs[rid].params) else _stack(p, self.runner.vocab_size)
                      for rid, p in zip(rids, probs)]
         return Proposal(tokens=tokens, probs=out_probs)
 
@@ -89,6 +93,10 @@ class DraftModelProposer(Proposer):
         s = self._seqs.pop(rid, None)
         if s is not None:
             self.runner.free(s.slot)
+
+
+def _no_q(params: SamplingParams) -> bool:
+    return params.greedy or params.seed is not None
 
 
 def _stack(rows: list[torch.Tensor], vocab: int) -> torch.Tensor:

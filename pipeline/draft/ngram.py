@@ -16,7 +16,8 @@ class NgramProposer(Proposer):
         self.max_n = max_n
         self._seqs: dict[str, _TokenBuffer] = {}
 
-    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+            tenant: str = "") -> None:
         self._seqs[rid] = _TokenBuffer(prompt_ids)
 
     def propose(self, rids: list[str], ks: list[int]) -> Proposal:

@@ -7,7 +7,8 @@ from pipeline.params import SamplingParams
 
 
 class NoProposer(Proposer):
-    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+            tenant: str = "") -> None:
         pass
 
     def propose(self, rids: list[str], ks: list[int]) -> Proposal:

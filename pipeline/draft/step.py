@@ -25,7 +25,7 @@ def draft_step(proposer: Proposer, plan: StepPlan,
     for rid in plan.release:
         proposer.finish(rid, plan.finals.get(rid, []))
     for new in plan.new:
-        proposer.add(new.rid, new.prompt_ids, new.params)
+        proposer.add(new.rid, new.prompt_ids, new.params, new.tenant)
     for rid, tokens in plan.commits.items():
         proposer.commit(rid, tokens)
     start = time.perf_counter()
@@ -79,7 +79,9 @@ def _suffix(config: EngineConfig) -> Proposer:
     return SuffixProposer(SuffixSettings(
         max_depth=config.suffix_max_depth, min_score=config.suffix_min_score,
         spec_factor=config.suffix_spec_factor, global_requests=config.suffix_global_requests,
-        global_tokens=config.suffix_global_tokens, max_model_len=config.max_model_len))
+        global_tokens=config.suffix_global_tokens, max_model_len=config.max_model_len,
+        share_across_tenants=config.suffix_share_across_tenants,
+        max_tenants=config.suffix_max_tenants))
 
 
 def _model(config: EngineConfig) -> Proposer:

@@ -5,7 +5,8 @@ Layout, after the hash chains of LZ77 compressors (zlib's `head`/`prev`): tokens
 of `capacity` slots addressed by an absolute position that only grows; for each anchor length
 `a` in ANCHORS, `head[bucket]` holds the newest position whose last `a` tokens hash to `bucket`
 and `prev[pos]` the next older one, so a lookup walks newest -> oldest and stops at the first
-evicted position. Memory is fixed when the index is built (no per-token Python objects), an
+evicted position. No per-token Python objects: the ring starts at `initial` slots and doubles
+(re-linking what it holds, amortised O(1) a token) until it holds `capacity`, then stays; an
 insert costs O(len(tokens) * len(ANCHORS)) vectorised, and eviction is moving `oldest`.
 
 Why not a suffix tree or automaton: in Python every node is an object (~100+ bytes per token at
@@ -31,6 +32,11 @@ _M64 = (1 << 64) - 1
 _SMALL = 16  # chunks up to this long are linked in plain Python: numpy's per-call cost dominates
 
 
+def _pow2(n: int) -> int:
+    """The least power of two >= n (and >= 2)."""
+    return 1 << max(n - 1, 1).bit_length()
+
+
 @dataclass
 class Match:
     """A draft read off the index. `confidence[j]` = (occurrences of the matched context whose
@@ -50,19 +56,16 @@ class Match:
 
 class TokenIndex:
     def __init__(self, capacity: int, max_depth: int = 32, max_candidates: int = 64,
-                 max_runs: int | None = None) -> None:
+                 max_runs: int | None = None, initial: int | None = None) -> None:
+        """`initial`: slots to start with (None: all of `capacity` at once)."""
         if capacity < 1 or max_depth < 1 or max_candidates < 1:
             raise ValueError("TokenIndex: capacity, max_depth and max_candidates must be >= 1")
         self.capacity = capacity
         self.max_depth = max_depth
         self.max_candidates = max_candidates
         self.max_runs = max_runs
-        slots = 1 << max(capacity - 1, 1).bit_length()  # ring size: a power of two >= capacity
-        self._mask = slots - 1
-        self._bits = slots.bit_length() - 1
-        self._buf = np.full(slots, SEPARATOR, dtype=np.int32)
-        self._head = {a: np.full(slots, -1, dtype=np.int64) for a in ANCHORS}
-        self._prev = {a: np.full(slots, -1, dtype=np.int64) for a in ANCHORS}
+        self._max_slots = _pow2(capacity)  # ring size at capacity: a power of two >= it
+        self._alloc(self._max_slots if initial is None else min(_pow2(initial), self._max_slots))
         self.end = 0  # absolute position one past the newest token
         self.oldest = 0  # absolute position of the oldest live token
         self._runs: deque[int] = deque()  # start position of each live run, oldest first
@@ -81,12 +84,34 @@ class TokenIndex:
         return self._buf.nbytes + sum(h.nbytes + p.nbytes
                                       for h, p in zip(self._head.values(), self._prev.values()))
 
+    def _alloc(self, slots: int) -> None:
+        self._mask = slots - 1
+        self._bits = slots.bit_length() - 1
+        self._buf = np.full(slots, SEPARATOR, dtype=np.int32)
+        self._head = {a: np.full(slots, -1, dtype=np.int64) for a in ANCHORS}
+        self._prev = {a: np.full(slots, -1, dtype=np.int64) for a in ANCHORS}
+
+    def _reserve(self, live: int) -> None:
+        """Grow the ring (doubling, at most to capacity) until it holds `live` tokens: the live
+        tokens move to their new slots and every chain is rebuilt (buckets depend on the size)."""
+        slots = self._mask + 1
+        if live <= slots:
+            return
+        while slots < live:
+            slots *= 2
+        held = self.tokens(self.oldest, self.end)
+        self._alloc(min(slots, self._max_slots))
+        self._buf[np.arange(self.oldest, self.end) & self._mask] = held
+        for a in ANCHORS:
+            self._link(a, self.oldest)
+
     # --- writing ----------------------------------------------------------------------------
     def extend(self, tokens: list[int] | np.ndarray) -> None:
         """Append tokens to the newest run (evicting the oldest tokens past `capacity`)."""
         new = np.asarray(tokens, dtype=np.int32).reshape(-1)[-self.capacity:]
         if new.size == 0:
             return
+        self._reserve(min(self.capacity, self.end + new.size - self.oldest))
         if not self._open:
             self._runs.append(self.end)
             self._open = True

@@ -83,6 +83,10 @@ class FairQueue:
             out.append(req)
         return out
 
+    def count(self, group: str) -> int:
+        """Choices of `group` waiting."""
+        return len(self._groups.get(group, ()))
+
     def __contains__(self, rid: str) -> bool:
         return rid in self._where
 

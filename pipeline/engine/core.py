@@ -115,6 +115,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
                                    config.num_speculative_tokens, vocab_size,
                                    reserved_slots=config.reserved_slots,
+                                   reserved_waiting=config.waiting_reserve,
                                    spec=SpecController(config.spec_settings))
         self.stats = EngineStats()
         self.stall = stall or StallDetector(config.step_timeout_floor_s,
@@ -135,11 +136,13 @@ class EngineCore:
     # --- requests ---------------------------------------------------------------------------
     async def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                           traceparent: str | None = None, group: str | None = None,
-                          last: bool = False) -> RequestStream:
+                          last: bool = False, tenant: str = "") -> RequestStream:
         """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
         (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then.
         `group`: the client request it belongs to (fair admission; None: a group of its own).
         `last`: a batch job's final request (the batch drains after it; Scheduler.enqueue).
+        `tenant`: a hash naming the API key and `user` it came from (pipeline.frontend.tenant;
+        "" = anonymous): the draft stage shares state across requests of one tenant only.
         An id whose previous request has finished is reusable once that request's slots are
         freed (the next step): until then this waits, since the step after a stop was planned
         with the stopped request, and its tokens would reach the new one under the same id."""
@@ -151,11 +154,11 @@ class EngineCore:
             raise EngineDeadError(f"engine is unhealthy: {self.dead_reason}")
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = self.scheduler.prepare(rid, prompt_ids, params, group)
+        req = self.scheduler.prepare(rid, prompt_ids, params, group, tenant)
         stream = self._streams[rid] = RequestStream(rid)  # reserves the id across the await
         registered = False
         try:
-            await self.stages.add_request(NewRequest(rid, req.prompt_ids, req.params),
+            await self.stages.add_request(NewRequest(rid, req.prompt_ids, req.params, tenant),
                                           traceparent)
             registered = True
             if self._streams.get(rid) is not stream:

@@ -43,6 +43,7 @@ class EngineRequest:
     last_token: int = -1  # newest token; not yet in the target KV cache
     pending: list[int] = field(default_factory=list)  # last step's tokens, not yet committed
     group: str = ""  # the client request it belongs to (fair admission); "" = its own rid
+    tenant: str = ""  # hash of its API key and `user` (pipeline.frontend.tenant); "" anonymous
     seq: int = 0  # arrival order, set when queued
 
     def __post_init__(self) -> None:
@@ -69,9 +70,11 @@ class Scheduler:
     def __init__(self, num_slots: int, max_waiting: int, max_model_len: int,
                  num_speculative_tokens: int,
                  vocab_size: int, reserved_slots: int = 0,
-                 spec: SpecController | None = None) -> None:
+                 spec: SpecController | None = None, reserved_waiting: int = 0) -> None:
         self.num_slots = num_slots
         self.max_waiting = max_waiting
+        # the last places a group's second and later choices may not take (_check_room)
+        self.reserved_waiting = min(reserved_waiting, max_waiting)
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         # Chooses each decode's k under its cap (fixed: the cap itself).
@@ -90,35 +93,45 @@ class Scheduler:
 
     # --- requests in and out --------------------------------------------------------------
     def prepare(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                group: str | None = None) -> EngineRequest:
+                group: str | None = None, tenant: str = "") -> EngineRequest:
         """Validate a request and cap its output at max_model_len; queues nothing. `group`: the
-        client request it belongs to (its choices share one), None for a request of its own.
+        client request it belongs to (its choices share one), None for a request of its own;
+        `tenant`: who sent it (carried to the stages in NewRequest).
         Raises ValueError (bad prompt, id in use) or EngineOverloadedError (queue full)."""
         if rid in self.running or rid in self.waiting:
             raise ValueError(f"request id {rid!r} is already in use")
         self.check_prompt(prompt_ids)
-        self._check_room()
+        self._check_room(group or rid)
         # The engine never writes past max_model_len, so the output may not either.
         cap = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
         params = dataclasses.replace(params, max_new_tokens=cap,
                                      min_new_tokens=min(params.min_new_tokens, cap))
-        return EngineRequest(rid, list(prompt_ids), params, group=group or rid)
+        return EngineRequest(rid, list(prompt_ids), params, group=group or rid, tenant=tenant)
 
     def enqueue(self, req: EngineRequest, last: bool = False) -> EngineRequest:
         """`last`: the client sends no request after this one (a batch job's final prompt), so
         the batch drains once it is admitted. Requests of the same batch may still arrive out of
         order after it; one arriving at an idle engine starts a new batch."""
-        self._check_room()
+        self._check_room(req.group)
         if not self.has_work:
             self._closed = False
         self.waiting.push(req)
         self._closed = self._closed or last
         return req
 
-    def _check_room(self) -> None:
-        if len(self.waiting) >= self.max_waiting:
+    def _check_room(self, group: str) -> None:
+        """A place for one more choice of `group`: any free place for a group's first waiting
+        choice, only the first max_waiting - reserved_waiting for its later ones. So no client
+        request holds more than that share, and however many fan-outs arrive, the reserve stays
+        for single requests (and first choices, which a refused fan-out gives back at once)."""
+        waiting = len(self.waiting)
+        if waiting >= self.max_waiting:
             raise EngineOverloadedError(
                 f"waiting queue is full ({self.max_waiting} queued choices); retry later")
+        if self.waiting.count(group) and waiting >= self.max_waiting - self.reserved_waiting:
+            raise EngineOverloadedError(
+                f"waiting queue: the last {self.reserved_waiting} of {self.max_waiting} places "
+                f"are kept for single requests; retry later")
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -177,17 +190,18 @@ class Scheduler:
             plan.ks.append(max(0, min(self.num_speculative_tokens, req.remaining - 1,
                                       draft_room(self.max_model_len, req.kv_len))))
         plan.caps = list(plan.ks)
-        pinned = [r.params.seed is not None and r.params.temperature > 0 for r in decode]
         # a drain: nothing waits or will come, every running request is past its prefill
         drain = (self._closed and not self.waiting and not admitted
                  and all(r.num_output > 0 for r in self.running.values()))
-        plan.ks = self.spec.choose(plan.decode, plan.ks, pinned,
+        # No k is pinned: a seeded request's output does not depend on its drafts (its
+        # randomness is keyed by output position, pipeline.verify.acceptance).
+        plan.ks = self.spec.choose(plan.decode, plan.ks, None,
                                    [r.remaining for r in decode] if drain else None)
-        plan.min_gains = self.spec.min_gains(plan.decode, pinned)
+        plan.min_gains = self.spec.min_gains(plan.decode)
         for req in admitted:
             req.status = Status.RUNNING
             self.running[req.rid] = req
-            plan.new.append(NewRequest(req.rid, req.prompt_ids, req.params))
+            plan.new.append(NewRequest(req.rid, req.prompt_ids, req.params, req.tenant))
         return plan
 
     def _steppable(self, req: EngineRequest) -> bool:

@@ -39,6 +39,7 @@ from pipeline.frontend.responses import new_id
 from pipeline.frontend.run import EngineRun, InflightCount
 from pipeline.frontend.settings import API_KEY_ENV, ServerSettings
 from pipeline.frontend.structured import request_grammar, wants_grammar
+from pipeline.frontend.tenant import bearer_token, tenant_id
 from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.frontend.writer import ResponseShape, ResponseWriter, SSEResponse
 from pipeline.params import SamplingParams
@@ -182,7 +183,8 @@ class Server:
             want_logprobs=jobs[0].params.logprobs is not None,
             include_usage=bool(req.stream and req.stream_options
                                and req.stream_options.include_usage))
-        run = self._start_run(request, shape.rid, jobs)
+        tenant = tenant_id(bearer_token(request.scope.get("headers") or []), req.user)
+        run = self._start_run(request, shape.rid, jobs, tenant)
         writer = ResponseWriter(shape, run, self.metrics, self.tok.token_str, t0)
         if not req.stream:
             try:
@@ -197,12 +199,13 @@ class Server:
             raise
         return SSEResponse(writer.stream(first, deadline), on_close=run.close)
 
-    def _start_run(self, request: Request, rid: str, jobs: list[ChoiceJob]) -> EngineRun:
+    def _start_run(self, request: Request, rid: str, jobs: list[ChoiceJob],
+                   tenant: str = "") -> EngineRun:
         span = get_tracer().start_span(
             f"{request.method} {request.url.path}", kind=SpanKind.SERVER,
             context=context_from_traceparent(request.headers.get("traceparent")),
             attributes={"http.request.method": request.method, "url.path": request.url.path})
-        run = EngineRun(self.engine, span, self.inflight, group=rid)
+        run = EngineRun(self.engine, span, self.inflight, group=rid, tenant=tenant)
         for job in jobs:
             run.start(f"{rid}-{job.index}", job.prompt_ids, job.params)
         run.watch_disconnect(request.receive)

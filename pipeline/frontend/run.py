@@ -40,9 +40,10 @@ class EngineRun:
     Counted in `inflight` from creation until `close`."""
 
     def __init__(self, engine: Any, span: Any, inflight: InflightCount,
-                 group: str | None = None) -> None:
+                 group: str | None = None, tenant: str = "") -> None:
         self.engine = engine
         self.group = group  # the HTTP request's id: its choices are admitted fairly as one
+        self.tenant = tenant  # pipeline.frontend.tenant: whose drafting state it may share
         self.inflight = inflight
         inflight.value += 1
         self.closed = False
@@ -60,7 +61,8 @@ class EngineRun:
             self._pump(index, rid, prompt_ids, params)))
 
     async def _pump(self, index: int, rid: str, ids: list[int], params: SamplingParams) -> None:
-        agen = self.engine.generate(rid, ids, params, self.traceparent, group=self.group)
+        agen = self.engine.generate(rid, ids, params, self.traceparent, group=self.group,
+                                    tenant=self.tenant)
         try:
             async for out in agen:
                 if out.finished and out.finish_reason == "error":  # never shown as a choice

@@ -33,6 +33,9 @@ class NewRequest:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    # a hash of the API key and `user` it came from (pipeline.frontend.tenant; "" = anonymous):
+    # state shared across requests (suffix drafting's index) is shared within a tenant only
+    tenant: str = ""
 
 
 @dataclass

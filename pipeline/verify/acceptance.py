@@ -30,6 +30,21 @@ have been applied to q the same way by the caller. Edge cases: ``q(x) = 0 < p(x)
 accepted with probability ``p_j(x_j)`` and the residual is ``p_j`` with ``x_j`` removed,
 renormalised -- still exact.
 
+**Seeded rows** (position-keyed, DESIGN "Seeds"): the target's sample at output position ``t``
+is ``s_t = sample_from_weights(p_t, u_t)``, ``u_t`` the request's position noise
+(`pipeline.sampling.position_uniforms`: a function of seed and position only). A draft is
+accepted while it equals ``s_t``; the step's last token is ``s_t`` at the first mismatch or
+after the last draft. So a seeded request outputs exactly ``s_1, s_2, ...`` -- what decoding
+without drafts gives -- whatever was drafted, however many drafts a step verified, whoever
+shared the batch. Each ``s_t`` follows ``p_t`` (Gumbel-max), so the output is lossless.
+For a point-mass draft ``x`` this *is* rejection sampling: ``x`` is accepted with probability
+``p(x)``, and on rejection ``s_t`` follows ``p`` without ``x``, renormalised -- the residual.
+A model draft is coupled instead: a seeded draft model draws ``x_t = sample_from_weights(q_t,
+u_t)`` from the same noise, so ``x_t = s_t`` with probability
+``P(argmax w_p / E = argmax w_q / E) >= (1 - TV) / (1 + TV)`` (the Gumbel coupling;
+``TV = TV(p, q)``), against ``1 - TV`` for rejection sampling: the cost of reproducibility is a
+lower acceptance rate where p and q differ much, none where they agree.
+
 Logprobs are of the raw target logits (``log_softmax``, vLLM's default), for every output token.
 """
 
@@ -42,11 +57,10 @@ import torch
 from torch import Tensor
 
 from pipeline.sampling import (
-    STREAM_ACCEPT,
     SamplingTensors,
     compute_logprobs,
+    position_uniforms,
     process_logits,
-    request_generator,
     sample_from_weights,
     top_logprobs,
 )
@@ -150,6 +164,20 @@ def rejection_accept(
     return _pad_after(padded, num_accepted + 1), num_accepted + 1
 
 
+def position_accept(
+    draft_token_ids: Tensor,  # [B, K] int64, entries at j >= num_drafts[i] are ignored
+    num_drafts: Tensor,  # [B] int64 in [0, K]
+    target_probs: Tensor,  # [B, K+1, V] float32 processed target distributions p
+    uniforms: Tensor,  # [B, K+1, V] uniform in [0, 1): the position noise of each position
+) -> tuple[Tensor, Tensor]:  # ([B, K+1] int64 tokens, -1 pad; [B] int64 num_tokens)
+    """Seeded verification (module docstring): the target's sample at each position is
+    ``sample_from_weights(p_j, u_j)``; drafts are kept while they equal it, then the sample at
+    the first mismatch (recovered) or after the last draft (bonus) ends the step."""
+    batch, width, vocab = target_probs.shape
+    samples = sample_from_weights(target_probs.reshape(-1, vocab), uniforms.reshape(-1, vocab))
+    return greedy_accept(draft_token_ids, num_drafts, samples.view(batch, width))
+
+
 def accept(
     draft_token_ids: Tensor,  # [B, K] int64 drafts, padded past num_drafts[i]
     num_drafts: Tensor,  # [B] int64 in [0, K]
@@ -161,12 +189,13 @@ def accept(
     generator: torch.Generator | None = None,
     allowed: Tensor | None = None,  # [B, K+1, V] bool grammar mask; None = every token allowed
 ) -> AcceptanceResult:
-    """Verify one step for a batch: greedy rows with `greedy_accept`, sampled rows with
-    `rejection_accept` on processed target distributions. A seeded request's uniforms come from
-    ``request_generator(seed, positions[i], STREAM_ACCEPT)`` -- first V sampling uniforms, then
-    k_i acceptance uniforms -- so its result does not depend on the rest of the batch; unseeded
-    rows share batched draws from `generator` (None = process RNG). `positions[i]` is the
-    number of output tokens request i had before this step; a prefill is K = 0. `sampling`
+    """Verify one step for a batch: greedy rows with `greedy_accept`, seeded sampled rows with
+    `position_accept` (their position noise: ``position_uniforms(seed, positions[i] + j)`` at
+    position j, so a result depends on neither the batch nor the drafts), unseeded sampled rows
+    with `rejection_accept`, drawing from `generator` (None = process RNG); the latter two on
+    processed target distributions. `draft_probs` serve only the unseeded rows.
+    `positions[i]` is the number of output tokens request i had before this step; a prefill is
+    K = 0. `sampling`
     must live on the logits' device. `allowed` (structured output) sets disallowed logits to
     -inf before argmax, processing and rejection sampling, so every output token and the
     residual respect the grammar (p of a disallowed draft is 0: rejected); each row must allow
@@ -182,11 +211,17 @@ def accept(
     if allowed is not None:
         target_logits = _mask_disallowed(target_logits, allowed)
     tokens, num_tokens = greedy_accept(draft_token_ids, num_drafts, target_logits.argmax(dim=-1))
-    sampled = (~sampling.greedy).nonzero().squeeze(-1)
-    if sampled.numel() > 0:
-        tokens[sampled], num_tokens[sampled] = _rejection_rows(
-            sampled, draft_token_ids, num_drafts, target_logits, sampling, positions,
-            draft_probs, generator)
+    seeded = torch.tensor([s is not None for s in sampling.seeds], dtype=torch.bool,
+                          device=device)
+    sampled = ~sampling.greedy.to(device)
+    rows = (sampled & seeded).nonzero().squeeze(-1)
+    if rows.numel() > 0:
+        tokens[rows], num_tokens[rows] = _position_rows(
+            rows, draft_token_ids, num_drafts, target_logits, sampling, positions)
+    rows = (sampled & ~seeded).nonzero().squeeze(-1)
+    if rows.numel() > 0:
+        tokens[rows], num_tokens[rows] = _rejection_rows(
+            rows, draft_token_ids, num_drafts, target_logits, sampling, draft_probs, generator)
 
     logprobs = compute_logprobs(raw_logits)
     chosen = logprobs.gather(-1, tokens.clamp_min(0)[..., None]).squeeze(-1)
@@ -238,62 +273,63 @@ def _mask_disallowed(target_logits: Tensor,  # [B, K+1, V]
     return target_logits.masked_fill(~allowed.to(target_logits.device), float("-inf"))
 
 
+def _processed(
+    rows: Tensor,  # [n] int64 row indices
+    target_logits: Tensor,  # [B, K+1, V]
+    sampling: SamplingTensors,
+) -> Tensor:  # [n, K+1, V] float32
+    """The processed target distributions of `rows` at every position."""
+    n, width, vocab = rows.numel(), target_logits.shape[1], target_logits.shape[-1]
+    sub = sampling.select(rows)
+    return process_logits(
+        target_logits[rows].reshape(n * width, vocab),
+        sub.temperature.repeat_interleave(width),
+        sub.top_k.repeat_interleave(width),
+        sub.top_p.repeat_interleave(width),
+    ).view(n, width, vocab)
+
+
+def _position_rows(
+    rows: Tensor,  # [n] int64 indices of the seeded sampled rows
+    draft_token_ids: Tensor,  # [B, K] int64 on the logits' device
+    num_drafts: Tensor,  # [B] int64 on the logits' device
+    target_logits: Tensor,  # [B, K+1, V] (grammar-masked)
+    sampling: SamplingTensors,
+    positions: Sequence[int],
+) -> tuple[Tensor, Tensor]:
+    """`position_accept` over the seeded sampled rows: ([n, K+1] tokens, [n] counts). Only the
+    k_i + 1 positions a row verifies get noise (the rest are never read)."""
+    width, vocab = target_logits.shape[1], target_logits.shape[-1]
+    device = target_logits.device
+    p = _processed(rows, target_logits, sampling)
+    sub_drafts = num_drafts[rows]
+    uniforms = torch.zeros((rows.numel(), width, vocab), dtype=torch.float32, device=device)
+    for i, (row, k) in enumerate(zip(rows.tolist(), sub_drafts.tolist())):
+        seed = sampling.seeds[row]
+        assert seed is not None
+        uniforms[i, : k + 1] = position_uniforms(seed, positions[row], k + 1, vocab, device)
+    return position_accept(draft_token_ids[rows], sub_drafts, p, uniforms)
+
+
 def _rejection_rows(
     sampled: Tensor,  # [n] int64 indices of the non-greedy rows
     draft_token_ids: Tensor,  # [B, K] int64 on the logits' device
     num_drafts: Tensor,  # [B] int64 on the logits' device
     target_logits: Tensor,  # [B, K+1, V] (grammar-masked)
     sampling: SamplingTensors,
-    positions: Sequence[int],
     draft_probs: Tensor | None,  # [B, K, V] or None
     generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor]:
-    """`rejection_accept` over the sampled rows: ([n, K+1] tokens, [n] counts)."""
+    """`rejection_accept` over the unseeded sampled rows: ([n, K+1] tokens, [n] counts). Their
+    uniforms are two batched draws from `generator`: V sampling, then K acceptance uniforms."""
     num_pos, vocab = draft_token_ids.shape[1], target_logits.shape[-1]
-    sub = sampling.select(sampled)
-    n = sampled.numel()
-    p = process_logits(
-        target_logits[sampled].reshape(n * (num_pos + 1), vocab),
-        sub.temperature.repeat_interleave(num_pos + 1),
-        sub.top_k.repeat_interleave(num_pos + 1),
-        sub.top_p.repeat_interleave(num_pos + 1),
-    ).view(n, num_pos + 1, vocab)
-    sub_drafts = num_drafts[sampled]
-    sample_u, accept_u = _acceptance_uniforms(
-        sub.seeds, [positions[i] for i in sampled.tolist()], sub_drafts, num_pos, vocab,
-        target_logits.device, generator)
+    device, n = target_logits.device, sampled.numel()
+    p = _processed(sampled, target_logits, sampling)
+    sample_u = torch.rand((n, vocab), generator=generator, device=device)
+    accept_u = torch.rand((n, num_pos), generator=generator, device=device)
     q = None if draft_probs is None else draft_probs[sampled].float()
-    return rejection_accept(draft_token_ids[sampled], sub_drafts, p, q, accept_u, sample_u)
-
-
-def _acceptance_uniforms(
-    seeds: Sequence[int | None],
-    positions: Sequence[int],
-    num_drafts: Tensor,  # [n] int64
-    num_pos: int,
-    vocab: int,
-    device: torch.device,
-    generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor]:  # ([n, V] sampling uniforms, [n, K] acceptance uniforms)
-    """Per seeded row: V sampling uniforms then k_i acceptance uniforms from its own generator
-    (so the draw is independent of K and of the batch). Unseeded rows: two batched draws."""
-    n = len(seeds)
-    sample_u = torch.empty((n, vocab), dtype=torch.float32, device=device)
-    accept_u = torch.zeros((n, num_pos), dtype=torch.float32, device=device)
-    drafts = num_drafts.tolist()
-    unseeded = []
-    for i, seed in enumerate(seeds):
-        if seed is None:
-            unseeded.append(i)
-            continue
-        gen = request_generator(seed, positions[i], STREAM_ACCEPT, device)
-        sample_u[i] = torch.rand(vocab, generator=gen, device=device)
-        accept_u[i, : drafts[i]] = torch.rand(drafts[i], generator=gen, device=device)
-    if unseeded:
-        rows = torch.tensor(unseeded, dtype=torch.int64, device=device)
-        sample_u[rows] = torch.rand((len(rows), vocab), generator=generator, device=device)
-        accept_u[rows] = torch.rand((len(rows), num_pos), generator=generator, device=device)
-    return sample_u, accept_u
+    return rejection_accept(draft_token_ids[sampled], num_drafts[sampled], p, q, accept_u,
+                            sample_u)
 
 
 def _pad_after(
