@@ -15,6 +15,7 @@ refused with the same error.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -51,6 +52,10 @@ class Stages(Protocol):
         """How many per-request step windows the output processor dropped."""
 
 
+# Upper bounds (seconds) of the verify-step time histogram operators see (EngineStats.step_seconds).
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 @dataclass
 class EngineStats:
     """Raw speculative counts (before finish truncation), named like vLLM's spec-decode metrics.
@@ -58,7 +63,12 @@ class EngineStats:
     Every decode request-step is a verify step (drafted or not); `histogram[a]` counts those that
     accepted `a` drafts (the same rule as the per-request SpecStats). A draft is a request-step
     with at least one draft token; `accepted_per_pos[i]` counts drafts whose position i was
-    accepted. Rates are pooled: accepted_tokens / draft_tokens."""
+    accepted. Rates are pooled: accepted_tokens / draft_tokens.
+
+    For operators: `k_chosen[k]` counts verify request-steps that were given k drafts (k = 0: a
+    step verified with nothing drafted); `step_seconds` counts decode-only steps by the seconds
+    their drafting + verifying took, per upper bound of STEP_BUCKETS (the last: slower than all);
+    `stalls` counts steps declared stalled."""
 
     steps: int = 0
     verify_steps: int = 0
@@ -67,15 +77,23 @@ class EngineStats:
     accepted_tokens: int = 0
     histogram: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
+    k_chosen: list[int] = field(default_factory=list)
+    step_seconds: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    step_seconds_sum: float = 0.0
+    stalls: int = 0
 
     def record(self, outcome: StepOutcome, num_prefills: int) -> None:
         """One step; its first `num_prefills` requests were prefilled (not verify steps)."""
         self.steps += 1
+        if outcome.decode_s is not None:
+            self.step_seconds[bisect.bisect_left(STEP_BUCKETS, outcome.decode_s)] += 1
+            self.step_seconds_sum += outcome.decode_s
         for tokens, drafted in zip(outcome.tokens[num_prefills:],
                                    outcome.drafted[num_prefills:]):
             accepted = len(tokens) - 1
             self.verify_steps += 1
             count_into(self.histogram, accepted)
+            count_into(self.k_chosen, drafted)
             if drafted == 0:
                 continue
             self.drafts += 1
@@ -304,6 +322,7 @@ class EngineCore:
             raise
         if not done:
             task.cancel()
+            self.stats.stalls += 1
             raise EngineDeadError(f"step {step}: {stage} stalled (no answer within "
                                   f"{self.stall_bound_s:.1f}s)")
         return task.result()
@@ -383,6 +402,10 @@ class EngineCore:
             "num_accepted_tokens": s.accepted_tokens,
             "num_accepted_tokens_per_pos": list(s.accepted_per_pos),
             "acceptance_histogram": list(s.histogram),
+            "k_chosen": list(s.k_chosen),
+            "step_seconds": {"buckets": list(STEP_BUCKETS), "counts": list(s.step_seconds),
+                             "sum": s.step_seconds_sum},
+            "stalls": s.stalls,
             "healthy": self.health()["healthy"],
             "last_progress": self.last_progress,
             "stall_bound_s": self.stall_bound_s,
