@@ -33,6 +33,8 @@ ENGINE_GAUGES = (
     ("num_requests_running", "running", "Requests holding an engine slot."),
     ("num_requests_waiting", "waiting", "Requests queued for a slot."),
     ("num_free_slots", "free_slots", "Engine slots not in use."),
+    ("num_slots", "num_slots", "Engine slots in all."),
+    ("max_waiting", "max_waiting", "Places in the wait queue (beyond them: 429)."),
 )
 ENGINE_COUNTERS = (
     ("engine_steps", "steps", "Engine steps run."),
