@@ -440,3 +440,22 @@ def test_the_choices_of_one_request_share_its_id_as_their_admission_group():
     r = run(post(engine, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 4}))
     assert r.status_code == 200
     assert set(engine.groups.values()) == {r.json()["id"]} and len(engine.groups) == 4
+
+
+def test_metrics_report_the_engine_unhealthy_when_it_stops_answering_for_stats():
+    engine = FakeEngine()
+
+    async def go():
+        async with client_for(engine) as c:
+            first = (await c.get("/metrics")).text
+
+            async def broken():
+                raise RuntimeError("engine gone")
+
+            engine.stats = broken
+            return first, (await c.get("/metrics")).text
+
+    first, after = run(go())
+    assert 'specrelay_engine_healthy{model="fake-model"} 1.0' in first
+    assert 'specrelay_engine_healthy{model="fake-model"} 0.0' in after
+    assert 'specrelay_engine_steps_total{model="fake-model"} 10.0' in after  # last counts kept

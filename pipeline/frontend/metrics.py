@@ -198,6 +198,11 @@ class ServerMetrics:
     def update_engine_stats(self, stats: dict[str, Any]) -> None:
         self._engine.stats = dict(stats)
 
+    def engine_unreachable(self) -> None:
+        """The engine did not answer for its stats: keep its last counters, but report it
+        unhealthy (a stale "healthy" would hide a wedged engine from the alerts)."""
+        self._engine.stats = {**self._engine.stats, "healthy": False}
+
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.labels(route, str(status)).inc()
 
