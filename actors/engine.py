@@ -167,6 +167,7 @@ class Engine:
         self.core: EngineCore | None = None
         self.stages: RayStages | None = None
         self.restarts = 0
+        self.past_stalls = 0  # stall detections of the cores replaced by rebuilds
         self.tracer: Any = None
         self._rebuilding: asyncio.Task | None = None
         self.build_phase = ""  # what a (re)build waits for, shown in health() while rebuilding
@@ -202,6 +203,8 @@ class Engine:
 
     async def _rebuild(self) -> None:
         """Replace every stage actor (KV caches are gone anyway) after a failure."""
+        if self.core is not None:
+            self.past_stalls += self.core.stats.stalls
         try:
             if self.actors is not None:
                 await self.actors.flush_telemetry()  # the replaced output actor's spans
@@ -252,6 +255,7 @@ class Engine:
         stats = await self.core.stats_dict()
         stats["healthy"] = (await self.health())["healthy"]
         stats["restarts"] = self.restarts
+        stats["stalls"] = stats.get("stalls", 0) + self.past_stalls  # a counter across rebuilds
         return stats
 
     @ray.method(concurrency_group="control")

@@ -80,7 +80,8 @@ def test_stage_methods_declare_bytes_for_every_step_message():
 
 
 def requests() -> list[tuple[str, list[int], SamplingParams]]:
-    """Greedy and seeded-sampling requests: the sampled ones send draft probabilities."""
+    """Greedy and seeded-sampling requests (seeded drafts are coupled to the target's sample, so
+    they send no draft probabilities)."""
     return [
         ("g0", [5, 6, 7, 8, 5, 6], SamplingParams(max_new_tokens=12)),
         ("g1", [100, 101], SamplingParams(max_new_tokens=9, logprobs=2)),
@@ -101,9 +102,12 @@ def test_the_ray_stages_send_only_bytes_and_give_the_in_process_output(monkeypat
         verifiers=[Handle("verifier", verifier, log)],
         output=Handle("output", OutputActor(config), log), placement_group=None, info=info)
     core = EngineCore(config, ray_engine.RayStages(stage_actors), info["vocab_size"])
-    over_stages = asyncio.run(collect(core, requests()))
+    # an unseeded sampled request sends its draft probabilities; its tokens are not reproducible
+    unseeded = ("u0", [40, 41], SamplingParams(max_new_tokens=8, temperature=0.9))
+    over_stages = asyncio.run(collect(core, [*requests(), unseeded]))
     in_process = asyncio.run(collect(build_local_engine(config), requests()))
 
+    assert over_stages.pop("u0").token_ids  # it ran (a stop token may end it early)
     assert {rid: c.token_ids for rid, c in over_stages.items()} == \
         {rid: c.token_ids for rid, c in in_process.items()}
     assert over_stages["g1"].logprobs == pytest.approx(in_process["g1"].logprobs, abs=1e-5)

@@ -379,6 +379,7 @@ def test_stage_failure_or_timeout_fails_requests_and_marks_unhealthy(mode):
     errors, elapsed = asyncio.run(main())
     assert elapsed < 3
     assert ("died" if mode == "raise" else "stalled") in errors[0]
+    assert core.stats.stalls == (1 if mode == "hang" else 0)  # /metrics' stall detections
     health = core.health()
     assert health["healthy"] is False and health["reason"]
 

@@ -461,3 +461,122 @@ def test_termination_grace_and_prestop_follow_the_drain_grace_period(grace, shut
         assert template["spec"]["terminationGracePeriodSeconds"] == grace + shutdown, name
         command = ray_container(template)["lifecycle"]["preStop"]["exec"]["command"]
         assert command[-1] == f"sleep {grace}", name
+
+
+# --- monitoring (prometheus-operator) ------------------------------------------------------------
+
+PROM_CRDS = REPO / "tests" / "crds" / "prometheus-operator"
+MONITORING = ("monitoring.enabled=true",)
+RAY_PORTS_METRICS = 8080  # values.yaml: ray.ports.metrics
+
+
+@cache
+def monitoring_validator(kind: str) -> jsonschema.Draft7Validator:
+    """The v1 openAPIV3Schema of a vendored prometheus-operator CRD (tests/crds/, see README)."""
+    path = PROM_CRDS / f"monitoring.coreos.com_{kind.lower()}s.yaml"
+    crd = yaml.safe_load(path.read_text())
+    assert crd["spec"]["names"]["kind"] == kind
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = _strict(v1["schema"]["openAPIV3Schema"])
+    schema["properties"]["metadata"] = {"type": "object"}
+    return jsonschema.Draft7Validator(schema)
+
+
+def monitoring_errors(doc: dict) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in monitoring_validator(doc["kind"]).iter_errors(doc)]
+
+
+def test_monitoring_is_off_by_default():
+    kinds = {d["kind"] for d in render()}
+    assert not kinds & {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"}
+
+
+@pytest.mark.parametrize("sets", [MONITORING, (*MONITORING, "monitoring.labels.release=kps",
+                                               "specrelay.apiKey.existingSecret=team-key")])
+def test_monitoring_objects_validate_against_the_prometheus_operator_crds(sets):
+    docs = render(*sets)
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        doc = one(docs, kind)
+        assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitoring_errors(doc) == [], kind
+
+
+def test_crd_validation_rejects_a_broken_servicemonitor():
+    sm = one(render(*MONITORING), "ServiceMonitor")
+    sm["spec"]["endpoints"][0]["interval"] = "soon"
+    sm["spec"]["endpoints"][0]["bearerTokenFil"] = "/x"
+    errors = " ".join(monitoring_errors(sm))
+    assert "interval" in errors and "bearerTokenFil" in errors
+
+
+def test_monitors_scrape_the_server_with_the_api_key_and_the_ray_metrics_port():
+    docs = render(*MONITORING, "specrelay.apiKey.existingSecret=team-key",
+                  "specrelay.apiKey.secretKey=token")
+    sm, pm, svc = one(docs, "ServiceMonitor"), one(docs, "PodMonitor"), one(docs, "Service")
+    rs = one(docs, "RayService")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] in [p["name"] for p in svc["spec"]["ports"]]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["authorization"] == {"type": "Bearer",
+                                         "credentials": {"name": "team-key", "key": "token"}}
+    (pod_endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    for name, template in pod_specs(rs).items():
+        assert pm["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+        ports = {p["name"]: p["containerPort"] for p in ray_container(template)["ports"]}
+        assert ports[pod_endpoint["port"]] == RAY_PORTS_METRICS, name
+
+
+
+
+
+def test_prometheus_rule_and_dashboard_are_the_generated_files():
+    import json
+
+    from pipeline.ops.alerts import rule_file
+    from pipeline.ops.dashboard import dashboard
+
+    docs = render(*MONITORING)
+    assert one(docs, "PrometheusRule")["spec"] == rule_file()
+    cm = one(docs, "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["specrelay.json"]) == dashboard()
+    kinds = {d["kind"] for d in render(*MONITORING, "monitoring.rules.enabled=false",
+                                       "monitoring.dashboard.enabled=false")}
+    assert {"ServiceMonitor", "PodMonitor"} <= kinds and not kinds & {"PrometheusRule", "ConfigMap"}
+
+
+def test_core_kinds_validate_with_monitoring_on():
+    import kubernetes_validate
+
+    for doc in render(*MONITORING):
+        if doc["apiVersion"].split("/")[0] in ("ray.io", "monitoring.coreos.com"):
+            continue
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def test_network_policy_admits_the_scraper_to_the_metrics_ports_only():
+    policy = one(render(*MONITORING, "networkPolicy.httpFrom[0].podSelector.matchLabels.app=web"),
+                 "NetworkPolicy")["spec"]
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    rules = [r for r in policy["ingress"] if scraper in r.get("from", [])]
+    assert len(rules) == 1 and rules[0]["from"] == [scraper]
+    assert rule_ports(rules[0]) == {HTTP_PORT, RAY_PORTS_METRICS}
+    # HTTP stays restricted to httpFrom otherwise; the default policy has no scraper rule
+    (http,) = [r for r in policy["ingress"] if HTTP_PORT in rule_ports(r) and r is not rules[0]]
+    assert http["from"] == [{"podSelector": {"matchLabels": {"app": "web"}}}]
+    assert not [r for r in one(render(), "NetworkPolicy")["spec"]["ingress"]
+                if scraper in r.get("from", [])]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("monitoring.enabled=maybe", "/monitoring/enabled"),
+    ("monitoring.interval=often", "/monitoring/interval"),
+    ("monitoring.dashbord.enabled=true", "dashbord"),
+])
+def test_values_schema_rejects_bad_monitoring_values(bad, message):
+    out = helm("template", RELEASE, str(CHART), "--set", bad)
+    assert out.returncode != 0, f"--set {bad} rendered"
+    assert "schema" in out.stderr and message in out.stderr, out.stderr

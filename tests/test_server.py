@@ -457,3 +457,36 @@ def test_each_api_key_and_user_reaches_the_engine_as_its_own_tenant_hash():
                              [("key-a", None), ("key-a", None), ("key-b", None), ("key-a", "u1")])
     assert a == a_again and len({a, b, a_user}) == 3
     assert all(len(t) == 32 and "key" not in t for t in (a, b, a_user))  # a hash, not the key
+
+
+def test_metrics_report_the_engine_unhealthy_when_it_stops_answering_for_stats():
+    engine = FakeEngine()
+
+    async def go():
+        async with client_for(engine) as c:
+            first = (await c.get("/metrics")).text
+
+            async def broken():
+                raise RuntimeError("engine gone")
+
+            engine.stats = broken
+            return first, (await c.get("/metrics")).text
+
+    first, after = run(go())
+    assert 'specrelay_engine_healthy{model="fake-model"} 1.0' in first
+    assert 'specrelay_engine_healthy{model="fake-model"} 0.0' in after
+    assert 'specrelay_engine_steps_total{model="fake-model"} 10.0' in after  # last counts kept
+
+
+def test_an_engine_call_that_fails_before_streaming_ends_the_request_with_an_error():
+    class Refusing(FakeEngine):
+        def generate(self, *args, **kwargs):  # fails when called, before any await
+            raise TypeError("generate() got an unexpected keyword argument")
+
+    async def go():
+        async with client_for(Refusing()) as c:
+            return await asyncio.wait_for(
+                c.post("/v1/completions", json={"model": "fake-model", "prompt": "a"}), 10)
+
+    r = run(go())
+    assert r.status_code >= 500 and r.json()["error"]["message"]

@@ -81,3 +81,33 @@ def test_per_request_sums_equal_the_prometheus_counters():
         for i, n in enumerate(x.spec_acceptance_histogram):
             hist[i] += n
     assert stats["acceptance_histogram"] == hist
+
+
+def test_operator_series_k_chosen_step_time_stalls_and_restarts_are_exported():
+    reqs = [(f"r{i}", PROMPTS[i % len(PROMPTS)],
+             SamplingParams(max_new_tokens=10 + 4 * i, ignore_eos=True)) for i in range(4)]
+    done, stats = _run({"draft": "ngram", "speculation": "fixed"}, reqs)
+    m = _counters(stats)
+    lasts = [c.last for c in done.values()]
+    # k chosen per verify request-step: as many observations as verify steps, their sum is the
+    # drafted tokens, and the k = 0 bucket is the steps verified with nothing drafted.
+    assert m["specrelay_spec_k_chosen_count"] == sum(x.spec_verify_ct for x in lasts)
+    assert m["specrelay_spec_k_chosen_sum"] == sum(x.spec_draft_tokens for x in lasts) > 0
+    assert m["specrelay_spec_k_chosen_bucket"] == m["specrelay_spec_k_chosen_count"]  # +Inf last
+    assert stats["k_chosen"][0] == (m["specrelay_spec_decode_num_verify_steps_total"]
+                                    - m["specrelay_spec_decode_num_drafts_total"])
+    # every decode-only step was timed, none stalled, the in-process engine never restarts
+    assert 0 < m["specrelay_spec_verify_step_seconds_count"] <= stats["steps"]
+    assert m["specrelay_spec_verify_step_seconds_sum"] > 0
+    assert m["specrelay_engine_stall_detections_total"] == 0
+    assert m["specrelay_engine_restarts_total"] == 0
+
+
+def test_finished_requests_pool_their_spec_stats_into_counters():
+    metrics = ServerMetrics("m")
+    metrics.observe_finish("stop", 0.5, accepted_tokens=7, draft_tokens=12)
+    metrics.observe_finish("length", 0.7, accepted_tokens=3, draft_tokens=4)
+    samples = {s.name: s.value for fam in text_string_to_metric_families(metrics.render().decode())
+               for s in fam.samples}
+    assert samples["specrelay_request_spec_accepted_tokens_total"] == 10
+    assert samples["specrelay_request_spec_draft_tokens_total"] == 16

@@ -17,16 +17,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.config import EngineConfig
 from pipeline.engine.scheduler import EngineRequest, Scheduler
 from pipeline.engine.spec.policy import SpecController
 from pipeline.engine.stall import StallDetector, plan_tokens
+from pipeline.engine.stats import STEP_BUCKETS, EngineStats
 from pipeline.errors import EngineDeadError
 from pipeline.output.request_output import RequestOutput
-from pipeline.output.request_state import count_into
 from pipeline.params import SamplingParams
 from pipeline.protocol import NewRequest, StepOutcome, StepPlan
 
@@ -49,40 +48,6 @@ class Stages(Protocol):
 
     def dropped_steps(self) -> Awaitable[int]:
         """How many per-request step windows the output processor dropped."""
-
-
-@dataclass
-class EngineStats:
-    """Raw speculative counts (before finish truncation), named like vLLM's spec-decode metrics.
-
-    Every decode request-step is a verify step (drafted or not); `histogram[a]` counts those that
-    accepted `a` drafts (the same rule as the per-request SpecStats). A draft is a request-step
-    with at least one draft token; `accepted_per_pos[i]` counts drafts whose position i was
-    accepted. Rates are pooled: accepted_tokens / draft_tokens."""
-
-    steps: int = 0
-    verify_steps: int = 0
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    histogram: list[int] = field(default_factory=list)
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def record(self, outcome: StepOutcome, num_prefills: int) -> None:
-        """One step; its first `num_prefills` requests were prefilled (not verify steps)."""
-        self.steps += 1
-        for tokens, drafted in zip(outcome.tokens[num_prefills:],
-                                   outcome.drafted[num_prefills:]):
-            accepted = len(tokens) - 1
-            self.verify_steps += 1
-            count_into(self.histogram, accepted)
-            if drafted == 0:
-                continue
-            self.drafts += 1
-            self.draft_tokens += drafted
-            self.accepted_tokens += accepted
-            for pos in range(accepted):
-                count_into(self.accepted_per_pos, pos)
 
 
 class RequestStream:
@@ -314,6 +279,7 @@ class EngineCore:
             raise
         if not done:
             task.cancel()
+            self.stats.stalls += 1
             raise EngineDeadError(f"step {step}: {stage} stalled (no answer within "
                                   f"{self.stall_bound_s:.1f}s)")
         return task.result()
@@ -393,6 +359,10 @@ class EngineCore:
             "num_accepted_tokens": s.accepted_tokens,
             "num_accepted_tokens_per_pos": list(s.accepted_per_pos),
             "acceptance_histogram": list(s.histogram),
+            "k_chosen": list(s.k_chosen),
+            "step_seconds": {"buckets": list(STEP_BUCKETS), "counts": list(s.step_seconds),
+                             "sum": s.step_seconds_sum},
+            "stalls": s.stalls,
             "healthy": self.health()["healthy"],
             "last_progress": self.last_progress,
             "stall_bound_s": self.stall_bound_s,

@@ -239,6 +239,7 @@ class Server:
             self.metrics.update_engine_stats(stats)
         except Exception as e:  # noqa: BLE001 - front-end metrics still useful
             log.warning("engine stats unavailable for /metrics: %s", e)
+            self.metrics.engine_unreachable()
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 

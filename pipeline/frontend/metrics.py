@@ -33,6 +33,8 @@ ENGINE_GAUGES = (
     ("num_requests_running", "running", "Requests holding an engine slot."),
     ("num_requests_waiting", "waiting", "Requests queued for a slot."),
     ("num_free_slots", "free_slots", "Engine slots not in use."),
+    ("num_slots", "num_slots", "Engine slots in all."),
+    ("max_waiting", "max_waiting", "Places in the wait queue (beyond them: 429)."),
 )
 ENGINE_COUNTERS = (
     ("engine_steps", "steps", "Engine steps run."),
@@ -45,6 +47,9 @@ ENGINE_COUNTERS = (
     ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
     ("spec_decode_num_accepted_tokens", "num_accepted_tokens",
      "Draft tokens accepted by the verifier."),
+    ("engine_stall_detections", "stalls",
+     "Steps declared stalled (each fails the engine's in-flight requests)."),
+    ("engine_restarts", "restarts", "Engine rebuilds after a failure (stage actors replaced)."),
 )
 
 
@@ -101,6 +106,31 @@ class _EngineStatsCollector(Collector):
             h.add_metric([self.model], buckets,
                          sum_value=float(sum(i * c for i, c in enumerate(hist))))
             yield h
+        yield from self._histogram(
+            "spec_k_chosen", "Drafts given per verify request-step (k chosen; 0: none drafted).",
+            [(str(float(k)), c) for k, c in enumerate(s.get("k_chosen") or [])],
+            sum(k * c for k, c in enumerate(s.get("k_chosen") or [])))
+        timing = s.get("step_seconds") or {}
+        if timing:
+            yield from self._histogram(
+                "spec_verify_step_seconds", "Seconds one decode step took to draft and verify.",
+                [(str(float(b)), c) for b, c in zip(timing["buckets"], timing["counts"])]
+                + [("+Inf", timing["counts"][-1])], float(timing["sum"]))
+
+    def _histogram(self, name: str, doc: str, per_bucket: list[tuple[str, int]],
+                   total: float) -> Iterable[Metric]:
+        """A histogram from per-bucket (not cumulative) counts; none when there are none."""
+        if not per_bucket:
+            return
+        if per_bucket[-1][0] != "+Inf":
+            per_bucket = [*per_bucket, ("+Inf", 0)]
+        h = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
+        buckets, running = [], 0
+        for bound, count in per_bucket:
+            running += count
+            buckets.append((bound, float(running)))
+        h.add_metric([self.model], buckets, sum_value=float(total))
+        yield h
 
 
 def tokens_per_verify(stats: dict[str, Any]) -> float:
@@ -149,6 +179,15 @@ class ServerMetrics:
             f"{PREFIX}_request_accepted_tokens",
             "Accepted draft tokens per finished request (after finish truncation).", m,
             buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
+        # The responses' spec_stats pooled over finished requests (retained: after finish
+        # truncation, what clients were given), so acceptance = accepted / draft tokens.
+        self.retained_draft_tokens = Counter(
+            f"{PREFIX}_request_spec_draft_tokens",
+            "Draft tokens of finished requests (their spec_stats.draft_tokens).", m, registry=r)
+        self.retained_accepted_tokens = Counter(
+            f"{PREFIX}_request_spec_accepted_tokens",
+            "Accepted draft tokens of finished requests (their spec_stats.accepted_tokens).", m,
+            registry=r)
         self._engine = _EngineStatsCollector(model)
         r.register(self._engine)
 
@@ -158,6 +197,11 @@ class ServerMetrics:
 
     def update_engine_stats(self, stats: dict[str, Any]) -> None:
         self._engine.stats = dict(stats)
+
+    def engine_unreachable(self) -> None:
+        """The engine did not answer for its stats: keep its last counters, but report it
+        unhealthy (a stale "healthy" would hide a wedged engine from the alerts)."""
+        self._engine.stats = {**self._engine.stats, "healthy": False}
 
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.labels(route, str(status)).inc()
@@ -180,10 +224,12 @@ class ServerMetrics:
                 hist.observe(per_token)
 
     def observe_finish(self, finish_reason: str | None, latency: float,
-                       accepted_tokens: int) -> None:
+                       accepted_tokens: int, draft_tokens: int = 0) -> None:
         self.request_finished.labels(self.model, finish_reason or "error").inc()
         self.e2e.labels(self.model).observe(latency)
         self.retained_accepted.labels(self.model).observe(accepted_tokens)
+        self.retained_accepted_tokens.labels(self.model).inc(accepted_tokens)
+        self.retained_draft_tokens.labels(self.model).inc(draft_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -61,9 +61,10 @@ class EngineRun:
             self._pump(index, rid, prompt_ids, params)))
 
     async def _pump(self, index: int, rid: str, ids: list[int], params: SamplingParams) -> None:
-        agen = self.engine.generate(rid, ids, params, self.traceparent, group=self.group,
-                                    tenant=self.tenant)
-        try:
+        agen = None
+        try:  # a failing call ends this choice with the error too, never a hang
+            agen = self.engine.generate(rid, ids, params, self.traceparent, group=self.group,
+                                        tenant=self.tenant)
             async for out in agen:
                 if out.finished and out.finish_reason == "error":  # never shown as a choice
                     raise GrammarOutputError(out.error or "the output could not be completed")
@@ -73,7 +74,8 @@ class EngineRun:
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to a status
             self.queue.put_nowait(ChoiceEvent(index, error=e))
         finally:
-            await agen.aclose()
+            if agen is not None:
+                await agen.aclose()
 
     def watch_disconnect(self, receive: Callable) -> None:
         async def watch() -> None:

@@ -65,7 +65,7 @@ class ResponseWriter:
         self.choices[index].add(out)
         if out.finished:
             self.metrics.observe_finish(out.finish_reason, now - self.t0,
-                                        out.spec_accepted_tokens)
+                                        out.spec_accepted_tokens, out.spec_draft_tokens)
 
     def stop_reason(self, c: resp.ChoiceState) -> Any:
         return resp.stop_reason(c)

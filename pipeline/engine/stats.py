@@ -1,0 +1,59 @@
+"""The engine's running speculative counters, read by the metrics endpoint and benchmarks."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pipeline.output.request_state import count_into
+from pipeline.protocol import StepOutcome
+
+# Upper bounds (seconds) of the verify-step time histogram operators see (EngineStats.step_seconds).
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class EngineStats:
+    """Raw speculative counts (before finish truncation), named like vLLM's spec-decode metrics.
+
+    Every decode request-step is a verify step (drafted or not); `histogram[a]` counts those that
+    accepted `a` drafts (the same rule as the per-request SpecStats). A draft is a request-step
+    with at least one draft token; `accepted_per_pos[i]` counts drafts whose position i was
+    accepted. Rates are pooled: accepted_tokens / draft_tokens.
+
+    For operators: `k_chosen[k]` counts verify request-steps that were given k drafts (k = 0: a
+    step verified with nothing drafted); `step_seconds` counts decode-only steps by the seconds
+    their drafting + verifying took, per upper bound of STEP_BUCKETS (the last: slower than all);
+    `stalls` counts steps declared stalled."""
+
+    steps: int = 0
+    verify_steps: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    histogram: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    k_chosen: list[int] = field(default_factory=list)
+    step_seconds: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    step_seconds_sum: float = 0.0
+    stalls: int = 0
+
+    def record(self, outcome: StepOutcome, num_prefills: int) -> None:
+        """One step; its first `num_prefills` requests were prefilled (not verify steps)."""
+        self.steps += 1
+        if outcome.decode_s is not None:
+            self.step_seconds[bisect.bisect_left(STEP_BUCKETS, outcome.decode_s)] += 1
+            self.step_seconds_sum += outcome.decode_s
+        for tokens, drafted in zip(outcome.tokens[num_prefills:],
+                                   outcome.drafted[num_prefills:]):
+            accepted = len(tokens) - 1
+            self.verify_steps += 1
+            count_into(self.histogram, accepted)
+            count_into(self.k_chosen, drafted)
+            if drafted == 0:
+                continue
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            for pos in range(accepted):
+                count_into(self.accepted_per_pos, pos)
