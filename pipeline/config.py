@@ -46,6 +46,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     num_slots: int = 8
     max_model_len: int = 2048
+    # KV memory per stage that holds a cache (each target rank, the model draft): one pool of
+    # `block_size`-token blocks (pipeline.models.kv_cache), sized once at start to hold
+    # kv_cache_tokens tokens (rounded up to whole blocks). None: num_slots x max_model_len, the
+    # memory one full-length row per slot took before the cache was paged. Bytes per token:
+    # 2 (K and V) x layers x kv_heads / tensor_parallel_size x head_dim x dtype bytes.
+    kv_cache_tokens: int | None = None
+    block_size: int = 16  # tokens per KV block; the flash backend needs a multiple of 16
     attention_backend: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
@@ -85,6 +92,12 @@ class EngineConfig:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("num_slots", self.num_slots)
         _positive_int("max_model_len", self.max_model_len, minimum=2)
+        _positive_int("block_size", self.block_size)
+        if self.kv_cache_tokens is not None:
+            _positive_int("kv_cache_tokens", self.kv_cache_tokens)
+            if self.kv_cache_tokens < self.max_model_len:
+                raise ValueError(f"kv_cache_tokens: {self.kv_cache_tokens} cannot hold one "
+                                 f"request of max_model_len {self.max_model_len}")
         _positive_int("max_waiting", self.max_waiting, minimum=0)
         _positive_int("reserved_slots", self.reserved_slots, minimum=0)
         _positive_int("ngram_min_n", self.ngram_min_n)

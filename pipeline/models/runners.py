@@ -34,7 +34,8 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
         source if is_tiny(source) else resolve_source(source), num_slots=config.num_slots,
         max_len=config.max_model_len, device=config.device, dtype=config.dtype,
         backend=config.attention_backend, agreement_noise=noise, tp_rank=tp_rank,
-        tp_size=tp_world, load_tokenizer=role == "target",
+        tp_size=tp_world, load_tokenizer=role == "target", block_size=config.block_size,
+        kv_cache_tokens=config.kv_cache_tokens,
     )
     if runner.tokenizer is None and is_tiny(source):
         runner.tokenizer = tiny_tokenizer()
