@@ -44,14 +44,23 @@ class EngineConfig:
     spec_pool_alpha: float = 0.05  # weight of the newest request-step in the pooled EMA
     spec_margin: float = 1.5  # at batch b > 1 a draft must gain 1 + 0.5 (b - 1) / b x its cost
     tensor_parallel_size: int = 1
+    # The most requests in flight unless max_num_seqs says otherwise, and the default KV memory
+    # in full-length rows: the pool holds num_slots x max_model_len tokens (what one row per
+    # slot reserved before the cache was paged) unless kv_cache_tokens says otherwise.
     num_slots: int = 8
     max_model_len: int = 2048
     # KV memory per stage that holds a cache (each target rank, the model draft): one pool of
     # `block_size`-token blocks (pipeline.models.kv_cache), sized once at start to hold
-    # kv_cache_tokens tokens (rounded up to whole blocks). None: num_slots x max_model_len, the
-    # memory one full-length row per slot took before the cache was paged. Bytes per token:
-    # 2 (K and V) x layers x kv_heads / tensor_parallel_size x head_dim x dtype bytes.
+    # kv_cache_tokens tokens (rounded up to whole blocks). None: num_slots x max_model_len.
+    # Bytes per token: 2 (K and V) x layers x kv_heads / tensor_parallel_size x head_dim x
+    # dtype bytes (docs/deploy.md). Requests are admitted by free blocks, so short ones share
+    # the memory; when the pool runs out mid-generation the newest request is preempted and
+    # recomputed later.
     kv_cache_tokens: int | None = None
+    # The most requests in flight (sequence slots of every stage); None: num_slots. Above
+    # num_slots, the free KV blocks are the real limit: e.g. 64 requests of 200 + 64 tokens
+    # fit in the default pool of 8 x 2048 tokens.
+    max_num_seqs: int | None = None
     block_size: int = 16  # tokens per KV block; the flash backend needs a multiple of 16
     attention_backend: str = "auto"
     dtype: str = "float32"
@@ -87,12 +96,26 @@ class EngineConfig:
     # Where the actors go on a multi-node cluster (pipeline.placement); {} = anywhere, ranks PACKed.
     placement: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def num_seqs(self) -> int:
+        """The most requests in flight."""
+        return self.num_slots if self.max_num_seqs is None else self.max_num_seqs
+
+    @property
+    def kv_blocks(self) -> int:
+        """Blocks in each stage's KV pool."""
+        if self.kv_cache_tokens is not None:
+            return -(-self.kv_cache_tokens // self.block_size)
+        return self.num_slots * -(-self.max_model_len // self.block_size)
+
     def __post_init__(self) -> None:
         _positive_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _positive_int("num_slots", self.num_slots)
         _positive_int("max_model_len", self.max_model_len, minimum=2)
         _positive_int("block_size", self.block_size)
+        if self.max_num_seqs is not None:
+            _positive_int("max_num_seqs", self.max_num_seqs)
         if self.kv_cache_tokens is not None:
             _positive_int("kv_cache_tokens", self.kv_cache_tokens)
             if self.kv_cache_tokens < self.max_model_len:

@@ -111,10 +111,11 @@ class EngineCore:
         self.config = config
         self.tracer = tracer  # an OpenTelemetry tracer: one `spec.engine_step` span per step
         self.stages = stages
-        self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
+        self.scheduler = Scheduler(config.num_seqs, config.max_waiting, config.max_model_len,
                                    config.k, vocab_size,
                                    reserved_slots=config.reserved_slots,
-                                   spec=SpecController(config.spec_settings))
+                                   spec=SpecController(config.spec_settings),
+                                   num_blocks=config.kv_blocks, block_size=config.block_size)
         self.stats = EngineStats()
         self.stall = StallDetector(config.step_timeout_floor_s, config.step_timeout_p99_multiple,
                                    config.step_timeout_s)
@@ -372,6 +373,9 @@ class EngineCore:
         return {
             "num_slots": self.scheduler.num_slots,
             "free_slots": self.scheduler.free_slots,
+            "kv_blocks": self.scheduler.num_blocks,
+            "kv_blocks_used": self.scheduler.blocks_used,
+            "preemptions": self.scheduler.preemptions,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "max_waiting": self.scheduler.max_waiting,

@@ -31,11 +31,11 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
         raise ValueError(f"draft_model: no model source for role {role!r}")
     noise = config.draft_agreement_noise if role == "draft" and is_tiny(source) else 0.0
     runner = load_runner(
-        source if is_tiny(source) else resolve_source(source), num_slots=config.num_slots,
+        source if is_tiny(source) else resolve_source(source), num_slots=config.num_seqs,
         max_len=config.max_model_len, device=config.device, dtype=config.dtype,
         backend=config.attention_backend, agreement_noise=noise, tp_rank=tp_rank,
         tp_size=tp_world, load_tokenizer=role == "target", block_size=config.block_size,
-        kv_cache_tokens=config.kv_cache_tokens,
+        kv_cache_tokens=config.kv_blocks * config.block_size,
     )
     if runner.tokenizer is None and is_tiny(source):
         runner.tokenizer = tiny_tokenizer()

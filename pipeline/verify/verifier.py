@@ -65,7 +65,7 @@ class Verifier:
             return None
         start = time.perf_counter()
         params = [self._params[rid] for rid in plan.rids]
-        positions = [0] * len(plan.new) + list(plan.num_outputs)
+        positions = [n.num_output for n in plan.new] + list(plan.num_outputs)
         all_drafts = [[] for _ in plan.new] + drafts
         q = self._draft_probs(plan, proposal, all_drafts)
         allowed = self.grammars.masks(plan.rids, all_drafts,
