@@ -62,6 +62,10 @@ class EngineConfig:
     # fit in the default pool of 8 x 2048 tokens.
     max_num_seqs: int | None = None
     block_size: int = 16  # tokens per KV block; the flash backend needs a multiple of 16
+    # Automatic prefix caching: full blocks of committed tokens (prompt, accepted output) are
+    # kept under a chained hash after their request ends, and a request whose prompt starts
+    # with them reuses their KV (prefilling only the rest) until they are evicted (LRU).
+    enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"

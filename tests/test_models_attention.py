@@ -154,15 +154,15 @@ def test_flash_runner_reuses_evicted_blocks_and_matches_a_fresh_run(flash_ext):
     got, ref = flash.forward([0, 1], [a, b]), sdpa.forward([0, 1], [a, b])
     assert flash.cache.table(0) == [0, 1, 2] and flash.cache.table(1) == [3, 4]
     for r in (flash, sdpa):
-        r.free(0)          # blocks 2, 1, 0 go back behind block 5 (stale KV)
-        r.truncate(1, 16)  # block 4 goes back too
+        r.free(0)          # blocks 0, 1, 2 go back ahead of block 5 (stale KV)
+        r.truncate(1, 16)  # block 4 goes back too, ahead of them
         assert r.allocate() == 0
     got += flash.forward([0, 1], [c, b[16:17]])
     ref += sdpa.forward([0, 1], [c, b[16:17]])
-    assert flash.cache.table(0) == [5, 2, 1] and flash.cache.table(1) == [3, 0]
-    got += flash.forward([0], [[7, 8]])   # crosses into a fourth block: the evicted block 4
+    assert flash.cache.table(0) == [4, 0, 1] and flash.cache.table(1) == [3, 2]
+    got += flash.forward([0], [[7, 8]])   # crosses into a fourth block: the never-used 5
     ref += sdpa.forward([0], [[7, 8]])
-    assert flash.cache.table(0) == [5, 2, 1, 4]
+    assert flash.cache.table(0) == [4, 0, 1, 5]
     with pytest.raises(runner_mod.CacheFullError):
         flash.forward([0, 1], [[1] * 9, [2] * 30])  # 3 more blocks needed, 0 free
     assert flash.cache.blocks.num_free == 0 and flash.length(1) == 17  # nothing applied
@@ -174,6 +174,42 @@ def test_flash_runner_reuses_evicted_blocks_and_matches_a_fresh_run(flash_ext):
     assert torch.equal(got[2].argmax(-1), want[:47].argmax(-1))
     assert torch.equal(got[4].argmax(-1), want[47:].argmax(-1))
     flash.cache.blocks.check()
+
+
+def test_flash_runner_shares_cached_prefix_blocks_between_live_sequences(flash_ext):
+    """Prefix caching: two live sequences read the same cached blocks of a third's committed
+    prompt (block_table rows with equal leading ids), and a sequence after its owner left
+    reuses them from the cache; the logits match a fresh, uncached run of each whole prompt."""
+    config = tiny_config()
+    rng = random.Random(6)
+
+    def runner(caching):
+        return ModelRunner(tiny_model(config, 1), config, 4, 96, dtype=torch.bfloat16,
+                           backend="flash", prefix_caching=caching)
+
+    cached = runner(True)
+    system = [rng.randrange(256) for _ in range(40)]
+    prompts = [system + [rng.randrange(256) for _ in range(n)] for n in (5, 9, 20)]
+    a = cached.allocate()
+    cached.forward([a], [prompts[0]])
+    cached.truncate(a, len(prompts[0]))       # committed: blocks 0 and 1 (32 tokens) keyed
+    got = {}
+    b, c = cached.allocate(), cached.allocate()
+    assert cached.attach_prefix(b, prompts[1]) == cached.attach_prefix(c, prompts[2]) == 32
+    assert cached.cache.table(b) == cached.cache.table(c) == cached.cache.table(a)[:2]
+    got[1], got[2] = cached.forward([b, c], [prompts[1][32:], prompts[2][32:]])
+    assert cached.cache.table(b)[:2] == cached.cache.table(c)[:2]
+    assert cached.cache.table(b)[2] != cached.cache.table(c)[2]
+    for slot in (a, b, c):
+        cached.free(slot)
+    d = cached.allocate()                      # everyone left: the blocks wait in the cache
+    assert cached.attach_prefix(d, prompts[0]) == 32
+    got[0] = cached.forward([d], [prompts[0][32:]])[0]
+    cached.cache.blocks.check()
+    for i, prompt in enumerate(prompts):
+        fresh = runner(False)
+        want = fresh.forward([fresh.allocate()], [prompt])[0][32:]
+        assert torch.equal(got[i].argmax(-1), want.argmax(-1)) and (got[i] - want).abs().max() < 0.3
 
 
 def test_flash_wrapper_rejects_the_removed_seqused_k_keyword(flash_ext):

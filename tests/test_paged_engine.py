@@ -6,12 +6,14 @@ leaks)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 
 import pytest
 
 from pipeline.config import load_config
 from pipeline.engine.local import build_local_engine, collect
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
@@ -88,3 +90,58 @@ def test_preemption_with_a_tiny_pool_completes_every_request_as_an_unpreempted_r
         s = got.last
         assert len(got.token_ids) == 1 + s.spec_verify_ct + s.spec_accepted_tokens
     _stages_hold_no_blocks(core)
+
+
+def _conversation(overrides: dict, turns: int = 4, seed: int = 3):
+    """A multi-turn chat re-sending its whole history: a 100-token system prompt, then per turn
+    a short user message and 12 output tokens. Returns per turn (prompt length, cached tokens,
+    output ids) and the engine."""
+    rng = random.Random(seed)
+    core = build_local_engine(load_config(CONFIG, {"attention_backend": "sdpa", **overrides}))
+    history = [rng.randrange(3, 250) for _ in range(100)]
+    out = []
+
+    async def talk():
+        for turn in range(turns):
+            history.extend(rng.randrange(3, 250) for _ in range(5 + turn))
+            got = (await collect(core, [(f"t{turn}", list(history),
+                                         SamplingParams(max_new_tokens=12, ignore_eos=True))]))
+            done = got[f"t{turn}"]
+            out.append((len(history), done.cached_tokens, done.token_ids))
+            history.extend(done.token_ids)
+
+    asyncio.run(talk())
+    return out, core
+
+
+@pytest.mark.parametrize("draft", ["ngram", "suffix", "model"])
+def test_a_conversation_reuses_the_previous_turns_kv_and_says_so(draft):
+    on, core = _conversation({"draft": draft})
+    off, _core_off = _conversation({"draft": draft, "enable_prefix_caching": False})
+    assert [o[2] for o in on] == [o[2] for o in off]          # identical greedy output
+    assert [o[1] for o in off] == [0] * len(off)                # nothing cached when off
+    assert on[0][1] == 0
+    for (prev_len, _, prev_out), (_, cached, _) in itertools.pairwise(on):
+        # every full block of the previous turn's prompt was cached, and the output's committed
+        # blocks too (all but the last step's tokens)
+        assert cached >= (prev_len // 16) * 16
+        assert cached <= prev_len + len(prev_out)
+    s = core.stats
+    assert s.prefix_hits == sum(o[1] for o in on) and s.prefix_queries == sum(o[0] for o in on)
+    _stages_hold_no_blocks(core)
+
+
+def test_usage_reports_openai_cached_tokens_counting_each_prompt_once():
+    from pipeline.frontend import responses as resp
+
+    choices = [resp.ChoiceState(index=i) for i in range(4)]  # 2 prompts x n=2
+    for c, cached in zip(choices, [32, 48, 0, 16]):
+        c.add(RequestOutput(f"r{c.index}", token_ids=[1], cached_tokens=cached))
+        c.add(RequestOutput(f"r{c.index}", token_ids=[2]))  # later deltas carry none
+    assert choices[0].cached_tokens == 32
+    cached = resp.cached_tokens(choices, num_prompts=2)
+    assert cached == (32 + 48 + 0 + 16) // 2
+    assert resp.usage(200, 8, cached)["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert "prompt_tokens_details" not in resp.usage(200, 8)
+    chunk = resp.usage_chunk("id", "m", 0, "chat.completion.chunk", 200, 8, cached)
+    assert chunk["usage"]["prompt_tokens_details"]["cached_tokens"] == 48

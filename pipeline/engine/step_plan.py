@@ -65,3 +65,5 @@ class StepOutcome:
     payload: Any = b""  # the msgpack message (bytes), or under Ray an object ref to it
     # seconds drafting + verifying the decodes; None when the step also prefilled (one forward)
     decode_s: float | None = None
+    # per prefill (plan.new order): prompt tokens whose KV came from the prefix cache
+    cached: list[int] = field(default_factory=list)

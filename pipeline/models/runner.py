@@ -28,7 +28,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_slots: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  backend: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
-                 kv_cache_tokens: int | None = None) -> None:
+                 kv_cache_tokens: int | None = None, prefix_caching: bool = False) -> None:
         """`num_slots`: the most sequences at once; `kv_cache_tokens`: the pool's size in
         tokens (rounded up to whole blocks; None: num_slots x max_len, one full row each)."""
         self.config = config
@@ -51,6 +51,7 @@ class ModelRunner:
             num_layers=config.num_layers, num_slots=num_slots, max_len=max_len,
             num_kv_heads=model.local_kv_heads, head_dim=config.head_dim, dtype=dtype,
             device=self.device, block_size=block_size, num_blocks=num_blocks,
+            prefix_caching=prefix_caching,
         )
 
     # --- slots -------------------------------------------------------------------------
@@ -67,12 +68,20 @@ class ModelRunner:
     def num_free_blocks(self) -> int:
         return self.cache.blocks.num_free
 
+    def attach_prefix(self, slot: int, tokens: list[int]) -> int:
+        """Prefix caching: a new slot starts with the longest cached prefix of `tokens` (whole
+        blocks, never all of them); returns how many tokens that is (0 with caching off). The
+        caller then feeds only `tokens[n:]`."""
+        return self.cache.attach_prefix(slot, tokens)
+
     def length(self, slot: int) -> int:
         self.cache.check_owned(slot)
         return self.cache.lengths[slot]
 
     def truncate(self, slot: int, length: int) -> None:
-        """Rollback: committed length := length (<= current)."""
+        """Rollback: committed length := length (<= current). The first `length` tokens must be
+        committed ones (prompt, accepted output): with prefix caching their full blocks become
+        reusable by other requests."""
         self.cache.truncate(slot, length)
 
     # --- forward -----------------------------------------------------------------------
@@ -105,8 +114,9 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.model(ids.to(self.device), meta.positions, self.cache, meta,
                                 logits_idx=logits_idx).float()
-        for slot, n in zip(slots, q_lens):
-            self.cache.lengths[slot] += n
+        for slot, run in zip(slots, runs):
+            self.cache.lengths[slot] += len(run)
+            self.cache.tokens[slot].extend(run)
         return list(logits.split(out_lens))
 
     def _validate(self, slots: list[int], runs: list[list[int]]) -> list[int]:

@@ -36,6 +36,7 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
         backend=config.attention_backend, agreement_noise=noise, tp_rank=tp_rank,
         tp_size=tp_world, load_tokenizer=role == "target", block_size=config.block_size,
         kv_cache_tokens=config.kv_blocks * config.block_size,
+        prefix_caching=config.enable_prefix_caching,
     )
     if runner.tokenizer is None and is_tiny(source):
         runner.tokenizer = tiny_tokenizer()
