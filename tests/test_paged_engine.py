@@ -145,3 +145,20 @@ def test_usage_reports_openai_cached_tokens_counting_each_prompt_once():
     assert "prompt_tokens_details" not in resp.usage(200, 8)
     chunk = resp.usage_chunk("id", "m", 0, "chat.completion.chunk", 200, 8, cached)
     assert chunk["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+
+
+def test_prometheus_exports_prefix_cache_counters_and_kv_usage():
+    from prometheus_client import generate_latest
+
+    from pipeline.frontend.metrics import ServerMetrics
+
+    metrics = ServerMetrics("tiny")
+    registry = metrics.registry
+    metrics.update_engine_stats({"prefix_cache_queries": 300, "prefix_cache_hits": 224,
+                                 "kv_blocks": 128, "kv_blocks_used": 32, "preemptions": 2,
+                                 "healthy": True})
+    text = generate_latest(registry).decode()
+    assert 'specrelay_prefix_cache_queries_total{model="tiny"} 300.0' in text
+    assert 'specrelay_prefix_cache_hits_total{model="tiny"} 224.0' in text
+    assert 'specrelay_kv_cache_usage_perc{model="tiny"} 0.25' in text
+    assert 'specrelay_num_preemptions_total{model="tiny"} 2.0' in text

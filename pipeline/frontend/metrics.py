@@ -45,6 +45,13 @@ ENGINE_COUNTERS = (
     ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
     ("spec_decode_num_accepted_tokens", "num_accepted_tokens",
      "Draft tokens accepted by the verifier."),
+    # vLLM's prefix-cache counters, in prompt tokens
+    ("prefix_cache_queries", "prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache (first prefills)."),
+    ("prefix_cache_hits", "prefix_cache_hits",
+     "Prompt tokens whose KV came from the prefix cache."),
+    ("num_preemptions", "preemptions",
+     "Requests preempted (KV pool full) and later recomputed."),
 )
 
 
@@ -70,6 +77,10 @@ class _EngineStatsCollector(Collector):
             yield self._one(GaugeMetricFamily, name, doc, float(s.get(key) or 0))
         yield self._one(GaugeMetricFamily, "engine_healthy", "1 when the engine is healthy.",
                         1.0 if s.get("healthy", False) else 0.0)
+        blocks = float(s.get("kv_blocks") or 0)
+        yield self._one(GaugeMetricFamily, "kv_cache_usage_perc",
+                        "Share of the KV block pool the running requests hold (0..1).",
+                        float(s.get("kv_blocks_used") or 0) / blocks if blocks else 0.0)
         for name, key, doc in ENGINE_COUNTERS:
             yield self._one(CounterMetricFamily, name, doc, float(s.get(key) or 0))
 
