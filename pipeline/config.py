@@ -159,6 +159,8 @@ class EngineConfig:
             raise ValueError("draft_agreement_noise: must be a number >= 0")
         if self.overlap is not True and self.overlap is not False:
             raise ValueError("overlap: must be a boolean")
+        if self.enable_prefix_caching is not True and self.enable_prefix_caching is not False:
+            raise ValueError("enable_prefix_caching: must be a boolean")
         if type(self.tracing) is not dict:
             raise ValueError("tracing: must be a mapping")
         _check_tracing(self.tracing)
