@@ -239,6 +239,8 @@ class Engine:
                 raise EngineDeadError(f"output stage unavailable: {e}") from None
             async for delta in stream:
                 finished = delta.finished
+                if delta.cached_tokens is not None:  # the first delta: what the cache served
+                    span.set_attribute("request.cached_tokens", delta.cached_tokens)
                 yield delta
         finally:
             span.end()

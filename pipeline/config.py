@@ -45,8 +45,28 @@ class EngineConfig:
     spec_pool_alpha: float = SpecSettings.pool_alpha
     spec_margin: float = SpecSettings.margin
     tensor_parallel_size: int = 1
+    # The most requests in flight unless max_num_seqs says otherwise, and the default KV memory
+    # in full-length rows: the pool holds num_slots x max_model_len tokens (what one row per
+    # slot reserved before the cache was paged) unless kv_cache_tokens says otherwise.
     num_slots: int = 8
     max_model_len: int = 2048
+    # KV memory per stage that holds a cache (each target rank, the model draft): one pool of
+    # `block_size`-token blocks (pipeline.models.kv_cache), sized once at start to hold
+    # kv_cache_tokens tokens (rounded up to whole blocks). None: num_slots x max_model_len.
+    # Bytes per token: 2 (K and V) x layers x kv_heads / tensor_parallel_size x head_dim x
+    # dtype bytes (docs/deploy.md). Requests are admitted by free blocks, so short ones share
+    # the memory; when the pool runs out mid-generation the newest request is preempted and
+    # recomputed later.
+    kv_cache_tokens: int | None = None
+    # The most requests in flight (sequence slots of every stage); None: num_slots. Above
+    # num_slots, the free KV blocks are the real limit: e.g. 64 requests of 200 + 64 tokens
+    # fit in the default pool of 8 x 2048 tokens.
+    max_num_seqs: int | None = None
+    block_size: int = 16  # tokens per KV block; the flash backend needs a multiple of 16
+    # Automatic prefix caching: full blocks of committed tokens (prompt, accepted output) are
+    # kept under a chained hash after their request ends, and a request whose prompt starts
+    # with them reuses their KV (prefilling only the rest) until they are evicted (LRU).
+    enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
@@ -94,11 +114,28 @@ class EngineConfig:
     # Where the actors go on a multi-node cluster (pipeline.placement); {} = anywhere, ranks PACKed.
     placement: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def num_seqs(self) -> int:
+        """The most requests in flight."""
+        return self.num_slots if self.max_num_seqs is None else self.max_num_seqs
+
+    @property
+    def kv_blocks(self) -> int:
+        """Blocks in each stage's KV pool."""
+        if self.kv_cache_tokens is not None:
+            return -(-self.kv_cache_tokens // self.block_size)
+        return self.num_slots * -(-self.max_model_len // self.block_size)
+
     def __post_init__(self) -> None:
         validate_spec(self.spec_settings)
         check.integer("tensor_parallel_size", self.tensor_parallel_size, 1)
         check.integer("num_slots", self.num_slots, 1)
         check.integer("max_model_len", self.max_model_len, 2)
+        check.integer("block_size", self.block_size, 1)
+        if self.max_num_seqs is not None:
+            check.integer("max_num_seqs", self.max_num_seqs, 1)
+        if self.kv_cache_tokens is not None:
+            check.integer("kv_cache_tokens", self.kv_cache_tokens, self.max_model_len)
         check.integer("max_waiting", self.max_waiting, 0)
         check.integer("reserved_slots", self.reserved_slots, 0)
         if self.reserved_waiting is not None:
@@ -135,6 +172,8 @@ class EngineConfig:
         check.number("draft_agreement_noise", self.draft_agreement_noise, lo=0)
         if self.overlap is not True and self.overlap is not False:
             raise ValueError("overlap: must be a boolean")
+        if self.enable_prefix_caching is not True and self.enable_prefix_caching is not False:
+            raise ValueError("enable_prefix_caching: must be a boolean")
         if type(self.tracing) is not dict:
             raise ValueError("tracing: must be a mapping")
         _check_tracing(self.tracing)

@@ -7,7 +7,7 @@ Input: one JSON object per line with `prompt` (text or token ids) or chat `messa
 `id` and OpenAI sampling fields (max_tokens, temperature, top_p, top_k, seed, stop,
 stop_token_ids, ignore_eos, min_tokens, include_stop_str_in_output, logprobs); a bare JSON
 string is a prompt. Output: one object per input line, in input order: id, text, finish_reason,
-matched_stop, token counts, spec_stats (or `error` for a line that could not run).
+matched_stop, token counts (cached_tokens: prompt tokens served from the prefix cache), spec_stats (or `error` for a line that could not run).
 
 Joins the running Ray cluster (RAY_ADDRESS as set by `ray job submit`, or --address, or
 "auto"); starts a local one when there is none; says which it joined (address, resources).
@@ -126,6 +126,7 @@ async def run_one(engine: Any, item: Item, rid: str, last: bool = False) -> dict
     return {"id": item.id, "index": item.index, "text": choice.text,
             "finish_reason": choice.finish_reason, "matched_stop": choice.matched_stop,
             "prompt_tokens": len(item.prompt_ids), "completion_tokens": len(choice.token_ids),
+            "cached_tokens": choice.cached_tokens or 0,  # prompt tokens from the prefix cache
             "spec_stats": choice.spec_stats(), "error": None}
 
 

@@ -44,19 +44,21 @@ AGREEMENT = 0.95    # greedy tokens, bf16 vs fp32: a near-tie may flip (about 1 
 # --- parity ----------------------------------------------------------------------------------
 def attention_parity(device: str, heads: int, kv_heads: int, head_dim: int,
                      seed: int = 0) -> float:
-    """Max |flash(bf16) - sdpa(fp32)| over one mixed batch at shuffled slots."""
+    """Max |flash(bf16) - sdpa(fp32)| over one mixed batch through multi-block tables (16-token
+    blocks, out of order, two runs sharing a first block)."""
     gen = torch.Generator().manual_seed(seed)
-    capacity, scale = 64, head_dim ** -0.5
-    shape = (6, capacity, kv_heads, head_dim)
+    block, scale = 16, head_dim ** -0.5
+    shape = (20, block, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).bfloat16().to(device)
     v_cache = torch.randn(shape, generator=gen).bfloat16().to(device)
-    slots, starts, q_lens = [4, 1, 3, 0, 5], [0, 40, 17, capacity - 1, 9], [23, 1, 5, 1, 5]
+    tables = [[4, 11, 2], [6, 1, 9, 13], [6, 3], [0, 7, 5, 8], [10, 12]]
+    starts, q_lens = [0, 40, 17, 63, 9], [23, 1, 5, 1, 5]
     n = sum(q_lens)
     q = torch.randn(n, heads, head_dim, generator=gen).bfloat16().to(device)
     k_new = torch.randn(n, kv_heads, head_dim, generator=gen).bfloat16().to(device)
     v_new = torch.randn(n, kv_heads, head_dim, generator=gen).bfloat16().to(device)
-    flash = build_metadata("flash", slots, starts, q_lens, capacity, device)
-    sdpa = build_metadata("sdpa", slots, starts, q_lens, capacity, device)
+    flash = build_metadata("flash", tables, starts, q_lens, block, device)
+    sdpa = build_metadata("sdpa", tables, starts, q_lens, block, device)
     write_kv(k_cache, v_cache, k_new, v_new, flash)
     got = attend(q, k_cache, v_cache, flash, scale)
     ref = attend(q.float(), k_cache.float(), v_cache.float(), sdpa, scale)

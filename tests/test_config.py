@@ -33,6 +33,10 @@ def test_draft_none_forces_zero_speculative_tokens():
 
 @pytest.mark.parametrize(("overrides", "field"), [
     ({"num_slots": 0}, "num_slots"),
+    ({"block_size": 0}, "block_size"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"kv_cache_tokens": 100, "max_model_len": 256}, "kv_cache_tokens"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
     ({"draft": "eagle"}, "draft"),
     ({"draft": "model"}, "draft_model"),
     ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
@@ -140,3 +144,10 @@ def test_placement_builds_one_bundle_per_rank_with_its_custom_resources():
     assert spec.verifier_bundles(2, gpu=False) == [{"CPU": 1, "tp_slot": 1.0}] * 2
     assert spec.verifier_bundles(1, gpu=True) == [{"CPU": 1, "GPU": 1, "tp_slot": 1.0}]
     assert spec.draft_resources == {"node_a": 0.5} and spec.output_resources == {}
+
+
+def test_the_default_kv_pool_is_num_slots_rows_of_max_model_len_and_seqs_default_to_slots():
+    cfg = load_config(None, {"num_slots": 8, "max_model_len": 2048})
+    assert (cfg.kv_blocks, cfg.block_size, cfg.num_seqs) == (8 * 2048 // 16, 16, 8)
+    cfg = load_config(None, {"kv_cache_tokens": 16_390, "max_num_seqs": 64})
+    assert (cfg.kv_blocks, cfg.num_seqs) == (1025, 64)  # rounded up to whole blocks

@@ -264,3 +264,47 @@ def test_fan_outs_leave_the_reserved_waiting_places_to_single_requests():
         add(s, f"single{i}", [1], p)
     with pytest.raises(EngineOverloadedError, match="full"):
         add(s, "one-too-many", [1], p)
+
+
+def _paged(num_blocks: int, reserved_slots: int = 0) -> Scheduler:
+    return Scheduler(8, 10, 64, 4, vocab_size=100, reserved_slots=reserved_slots,
+                     num_blocks=num_blocks, block_size=16)
+
+
+def test_admission_counts_kv_blocks_and_keeps_a_reserve_for_a_lone_request():
+    s = _paged(num_blocks=10, reserved_slots=1)
+    for i in range(4):  # a fan-out: 3 blocks each (30 prompt tokens + 1 + 4 drafts)
+        add(s, f"g{i}", [1] * 30, SamplingParams(max_new_tokens=20), group="g")
+    plan = s.schedule()
+    # 10 -> 7 -> 4 free blocks; a third would leave 1, less than one more request of its size
+    assert [n.rid for n in plan.new] == ["g0", "g1"] and s.free_slots == 6
+    s.apply(outcome(plan, {"g0": [5], "g1": [5]}))
+    add(s, "solo", [2] * 10, SamplingParams(max_new_tokens=20))
+    plan = s.schedule()
+    assert plan.decode == ["g0", "g1"] and [n.rid for n in plan.new] == ["solo"]
+    assert s.blocks_used == 3 + 3 + 1
+
+
+def test_the_newest_request_is_preempted_and_resumes_with_its_output_as_prompt():
+    s = _paged(num_blocks=4)
+    add(s, "a", [1] * 20, SamplingParams(max_new_tokens=40))
+    add(s, "b", [2] * 20, SamplingParams(max_new_tokens=40))
+    plan = s.schedule()
+    assert [n.rid for n in plan.new] == ["a", "b"]
+    s.apply(outcome(plan, {"a": [7] * 1, "b": [8] * 1}))
+    plan = s.schedule()          # 20 + 1 + 4 drafts: 2 blocks each
+    s.apply(outcome(plan, {"a": [7] * 5, "b": [8] * 5}))
+    plan = s.schedule()          # 25 + 1 + 4 = 30: still 2 each
+    assert plan.decode == ["a", "b"] and plan.release == []
+    s.apply(outcome(plan, {"a": [7] * 5, "b": [9] * 5}))
+    plan = s.schedule()          # 30 + 1 + 4 = 35: 3 each, 6 > 4: b (newest) goes
+    assert plan.decode == ["a"] and plan.release == ["b"] and plan.new == []
+    assert "b" not in plan.commits and s.preemptions == 1
+    assert [r.rid for r in s.waiting] == ["b"]
+    s.apply(outcome(plan, {"a": [7]}))
+    s.finish("a")
+    plan = s.schedule()
+    assert plan.release == ["a"]
+    (new,) = plan.new
+    assert new.rid == "b" and new.num_output == 11
+    assert new.prompt_ids == [2] * 20 + [8] * 6 + [9] * 5

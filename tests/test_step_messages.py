@@ -64,8 +64,10 @@ def sampling_params(draw) -> SamplingParams:
 
 @st.composite
 def new_requests(draw, rid_strategy=rid) -> NewRequest:
-    return NewRequest(draw(rid_strategy), draw(st.lists(token, min_size=1, max_size=8)),
-                      draw(sampling_params()))
+    prompt = draw(st.lists(token, min_size=1, max_size=8))
+    return NewRequest(draw(rid_strategy), prompt, draw(sampling_params()),
+                      tenant=draw(st.sampled_from(["", "0123456789abcdef" * 2])),
+                      num_output=draw(st.integers(0, len(prompt) - 1)))
 
 
 @st.composite
@@ -114,7 +116,8 @@ def outcomes(draw) -> StepOutcome:
     return StepOutcome(
         step=draw(st.integers(0, 1 << 40)), rids=ids, tokens=tokens,
         drafted=[len(t) - 1 + draw(st.integers(0, 3)) for t in tokens], expected=expected,
-        decode_s=draw(st.none() | st.floats(0, 5)))
+        decode_s=draw(st.none() | st.floats(0, 5)),
+        cached=draw(st.lists(st.integers(0, 4096), max_size=len(ids))))
 
 
 def same_proposal(a: Proposal, b: Proposal) -> bool:
@@ -165,13 +168,14 @@ def test_the_wire_carries_every_sampling_params_field():
 
 
 # --- what a plain msgpack reader sees ---------------------------------------------------------
-PLAN = StepPlan(step=4, release=["x"], new=[NewRequest("n", [1, 2, 3], SamplingParams())],
+PLAN = StepPlan(step=4, release=["x"],
+                new=[NewRequest("n", [1, 2, 3], SamplingParams(), "ab" * 16, num_output=1)],
                 decode=["a", "b"], last_tokens=[7, 8], kv_lens=[10, 12], num_outputs=[3, 5],
                 ks=[2, 0], caps=[4, 4], min_gains=[0.5, 1.5], commits={"a": [6, 7]},
                 finals={"x": [9]}, traceparent=TP)
 PROPOSAL = Proposal([[5, 6], []], [torch.full((2, 3), 0.25), None], [[0.9, 0.5], []], 0.01)
 OUTCOME = StepOutcome(4, ["n", "a", "b"], [[11], [5, 6, 1], [2]], [0, 2, 0], [None, 1.4, 0.0],
-                      decode_s=0.02)
+                      decode_s=0.02, cached=[32])
 ENCODED = {
     "plan": encode_plan(PLAN),
     "new": encode_new_request(PLAN.new[0]),
@@ -318,3 +322,17 @@ def test_the_draft_bound_is_the_caps_or_else_the_controllers_ks():
 def test_the_draft_limit_never_passes_the_slot():
     plan = StepPlan(0, decode=["a", "b", "c"], kv_lens=[10, 94, 99], ks=[4, 4, 4])
     assert plan.draft_limits(max_len=100) == [4, 4, 0]
+
+
+def test_a_new_request_whose_resumed_output_is_not_inside_its_prefill_is_refused():
+    msg = msgpack.unpackb(ENCODED["new"])
+    msg["nout"] = len(PLAN.new[0].prompt_ids)  # every prefill token "output": no prompt left
+    with pytest.raises(ProtocolError, match=r"new.nout"):
+        decode_new_request(msgpack.packb(msg))
+
+
+def test_a_tenant_longer_than_a_hash_is_refused():
+    msg = msgpack.unpackb(ENCODED["new"])
+    msg["tenant"] = "t" * 65
+    with pytest.raises(ProtocolError, match=r"new.tenant"):
+        decode_new_request(msgpack.packb(msg))

@@ -37,7 +37,8 @@ class DraftModelProposer(Proposer):
         if rid in self._seqs:
             raise ValueError(f"draft: request {rid!r} already added")
         slot = self.runner.allocate()
-        self._seqs[rid] = _DraftSeq(slot, params, len(prompt_ids), list(prompt_ids))
+        cached = self.runner.attach_prefix(slot, prompt_ids)  # prefix caching: 0 when off
+        self._seqs[rid] = _DraftSeq(slot, params, len(prompt_ids), list(prompt_ids), cached)
 
     def propose(self, rids: list[str], ks: list[int]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in rids]

@@ -77,11 +77,12 @@ class EngineCore:
         self.config = config
         self.tracer = tracer  # an OpenTelemetry tracer: one `spec.engine_step` span per step
         self.stages = stages
-        self.scheduler = Scheduler(config.num_slots, config.max_waiting, config.max_model_len,
+        self.scheduler = Scheduler(config.num_seqs, config.max_waiting, config.max_model_len,
                                    config.num_speculative_tokens, vocab_size,
                                    reserved_slots=config.reserved_slots,
                                    reserved_waiting=config.waiting_reserve,
-                                   spec=SpecController(config.spec_settings))
+                                   spec=SpecController(config.spec_settings),
+                                   num_blocks=config.kv_blocks, block_size=config.block_size)
         self.stats = EngineStats()
         self.stall = stall or StallDetector(config.step_timeout_floor_s,
                                             config.step_timeout_p99_multiple,
@@ -94,6 +95,8 @@ class EngineCore:
         self._task: asyncio.Task | None = None
         self._dropped = 0
         self._in_step = False  # a step's stages are running (see `idle`)
+        # prompt tokens served from the prefix cache, per request, until its first delta
+        self._cached: dict[str, int] = {}
         # finished running requests whose release plan has not yet run: a late step (overlap)
         # may still carry their tokens, so their ids are not reusable until it has
         self._unreleased: dict[str, asyncio.Event] = {}
@@ -235,6 +238,11 @@ class EngineCore:
         if not outcome.rids:  # a release-only step: nothing to output
             return None
         self.stall.record(time.monotonic() - started, tokens)
+        for new, cached in zip(plan.new, outcome.cached):
+            if new.num_output == 0 and new.rid in self._streams:  # not a preempted one's rerun
+                self._cached[new.rid] = cached
+                self.stats.prefix_queries += len(new.prompt_ids)
+                self.stats.prefix_hits += cached
         self.scheduler.apply(outcome)
         self.stats.record(outcome, len(plan.new))
         new = len(plan.new)  # the adaptive k learns from the decodes only
@@ -286,6 +294,8 @@ class EngineCore:
 
     async def _deliver(self, output: asyncio.Future) -> None:
         for delta in await output:
+            if delta.rid in self._cached and delta.cached_tokens is None:
+                delta.cached_tokens = self._cached.pop(delta.rid)
             stream = self._streams.get(delta.rid)
             if stream is None:  # aborted meanwhile: the abort delta already ended it
                 if delta.finished:
@@ -301,6 +311,7 @@ class EngineCore:
         """`Scheduler.finish`; a running request's id stays reserved until its slots are freed
         (`add_request`)."""
         req = self.scheduler.finish(rid)
+        self._cached.pop(rid, None)
         if self.scheduler.releasing(rid):
             self._unreleased.setdefault(rid, asyncio.Event())
         return req
@@ -348,6 +359,11 @@ class EngineCore:
         return {
             "num_slots": self.scheduler.num_slots,
             "free_slots": self.scheduler.free_slots,
+            "kv_blocks": self.scheduler.num_blocks,
+            "kv_blocks_used": self.scheduler.blocks_used,
+            "preemptions": self.scheduler.preemptions,
+            "prefix_cache_queries": s.prefix_queries,
+            "prefix_cache_hits": s.prefix_hits,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "max_waiting": self.scheduler.max_waiting,

@@ -1,11 +1,17 @@
 """Continuous batching: a bounded waiting queue (pipeline.engine.admission: fair across client
-requests), a running set sized by the KV slots, and the per-step plan (who is prefilled, who is
-verified with how many drafts, whose slots are freed).
+requests), a running set bounded by sequence slots and KV blocks, and the per-step plan (who is
+prefilled, who is verified with how many drafts, whose slots are freed, who is preempted).
 
 Invariants:
 - a request holds one slot on every stage (target ranks, draft) from admission until the plan
-  after its finish/abort carries it in `release`; stages free before they allocate, so the
-  slot budget is `num_slots - len(running)` when a plan is built;
+  after its finish/abort (or its preemption) carries it in `release`; stages free before they
+  allocate, so the slot budget is `num_slots - len(running)` when a plan is built;
+- KV blocks (with `num_blocks`): the scheduler counts, per running request, the tokens its
+  stages may hold after the step it planned (`reserved`: a prefill's tokens, or a verify's
+  committed length + 1 + its draft cap), so the planned steps never need more than the pool.
+  When the running requests' next steps do not fit, the newest (latest arrival) is preempted:
+  its slots and blocks are released, and it goes back to the front of its group to be
+  recomputed (prompt + output so far) as one prefill whose token is its next output token;
 - the queue and the slots are counted in choices (engine requests); admission happens whenever
   slots are free, in the order pipeline.engine.admission's rules give (stated there once);
 - no verify writes past `max_model_len`, and none is scheduled once a request has as many
@@ -45,6 +51,8 @@ class EngineRequest:
     group: str = ""  # the client request it belongs to (fair admission); "" = its own rid
     tenant: str = ""  # hash of its API key and `user` (pipeline.frontend.tenant); "" anonymous
     seq: int = 0  # arrival order, set when queued
+    output_ids: list[int] = field(default_factory=list)  # every token generated so far
+    reserved: int = 0  # KV tokens its stages may hold after the step last planned for it
 
     def __post_init__(self) -> None:
         self.group = self.group or self.rid
@@ -56,6 +64,11 @@ class EngineRequest:
     @property
     def seq_len(self) -> int:
         return self.num_prompt + self.num_output
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What its (re)admission prefills: the prompt, plus the output after a preemption."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def kv_len(self) -> int:
@@ -70,8 +83,13 @@ class Scheduler:
     def __init__(self, num_slots: int, max_waiting: int, max_model_len: int,
                  num_speculative_tokens: int,
                  vocab_size: int, reserved_slots: int = 0,
-                 spec: SpecController | None = None, reserved_waiting: int = 0) -> None:
+                 spec: SpecController | None = None, reserved_waiting: int = 0,
+                 num_blocks: int | None = None, block_size: int = 16) -> None:
         self.num_slots = num_slots
+        # The KV pool of every stage (None: no block accounting, slots are the only limit).
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.preemptions = 0
         self.max_waiting = max_waiting
         # the last places a group's second and later choices may not take (_check_room)
         self.reserved_waiting = min(reserved_waiting, max_waiting)
@@ -168,10 +186,19 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        """The next step's plan (release, admit fairly into free slots, verify the rest); a
-        release-only plan when only slots are left to free; None when there is nothing to do."""
+        """The next step's plan (release, preempt if the KV pool is short, admit fairly into
+        free slots and blocks, verify the rest); a release-only plan when only slots are left
+        to free; None when there is nothing to do."""
         decode = [r for r in self.running.values() if self._steppable(r)]
-        admitted = self.waiting.admit(self.num_slots - len(self.running), self._held)
+        # No drafts past the output cap or past the slot's max_len.
+        caps = {r.rid: max(0, min(self.num_speculative_tokens, r.remaining - 1,
+                                  draft_room(self.max_model_len, r.kv_len)))
+                for r in decode}
+        preempted = self._preempt(decode, caps)
+        decode = [r for r in decode if r.rid in self.running]
+        admitted = [] if preempted else self.waiting.admit(
+            self.num_slots - len(self.running), self._held, self._free_blocks(decode, caps),
+            self._admission_blocks)
         if not decode and not admitted and not self._release:
             return None
         plan = StepPlan(step=self._step, release=self._release, finals=self._finals)
@@ -186,9 +213,8 @@ class Scheduler:
             plan.last_tokens.append(req.last_token)
             plan.kv_lens.append(req.kv_len)
             plan.num_outputs.append(req.num_output)
-            # No drafts past the output cap or past the slot's max_len.
-            plan.ks.append(max(0, min(self.num_speculative_tokens, req.remaining - 1,
-                                      draft_room(self.max_model_len, req.kv_len))))
+            plan.ks.append(caps[req.rid])
+            req.reserved = req.kv_len + 1 + caps[req.rid]
         plan.caps = list(plan.ks)
         # a drain: nothing waits or will come, every running request is past its prefill
         drain = (self._closed and not self.waiting and not admitted
@@ -201,8 +227,64 @@ class Scheduler:
         for req in admitted:
             req.status = Status.RUNNING
             self.running[req.rid] = req
-            plan.new.append(NewRequest(req.rid, req.prompt_ids, req.params, req.tenant))
+            ids = req.prefill_ids
+            req.reserved = len(ids)
+            plan.new.append(NewRequest(req.rid, ids, req.params, req.tenant,
+                                       num_output=req.num_output))
         return plan
+
+    # --- KV blocks ------------------------------------------------------------------------
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _need(self, decode: list[EngineRequest], caps: dict[str, int]) -> int:
+        """Blocks the running requests hold after this step's forward (verifies grow to their
+        committed length + 1 + cap; the rest keep what they reserved)."""
+        return sum(self._blocks(r.kv_len + 1 + caps[r.rid] if r.rid in caps else r.reserved)
+                   for r in self.running.values())
+
+    def _free_blocks(self, decode: list[EngineRequest], caps: dict[str, int]) -> int | None:
+        if self.num_blocks is None:
+            return None
+        return self.num_blocks - self._need(decode, caps)
+
+    def _admission_blocks(self, req: EngineRequest) -> int:
+        """A newcomer's prefill plus its first verify (so it is not preempted at once); never
+        more than one max_model_len request, which the pool always holds."""
+        return self._blocks(min(len(req.prompt_ids) + len(req.output_ids) + 1
+                                + self.num_speculative_tokens,
+                                self.max_model_len))
+
+    def _preempt(self, decode: list[EngineRequest], caps: dict[str, int]) -> list[str]:
+        """Preempt the newest verifying requests until every running request's next step fits
+        the pool. A lone request always fits (kv_cache_tokens >= max_model_len), and the
+        non-verifying ones fit in what they held last step."""
+        if self.num_blocks is None:
+            return []
+        out: list[str] = []
+        victims = sorted(decode, key=lambda r: r.seq)
+        while victims and self._need(decode, caps) > self.num_blocks:
+            req = victims.pop()
+            del caps[req.rid]
+            decode.remove(req)
+            self._requeue(req)
+            out.append(req.rid)
+        return out
+
+    def _requeue(self, req: EngineRequest) -> None:
+        """Free its slots (next plan's release) and put it back at the front of its group; its
+        pending tokens are part of `output_ids`, so they come back with its recompute."""
+        del self.running[req.rid]
+        self._release.append(req.rid)
+        self.spec.forget(req.rid)
+        self._held[req.group] -= 1
+        if self._held[req.group] <= 0:
+            del self._held[req.group]
+        req.pending = []
+        req.reserved = 0
+        req.status = Status.WAITING
+        self.waiting.push_front(req)
+        self.preemptions += 1
 
     def _steppable(self, req: EngineRequest) -> bool:
         # Done by the engine's count (its finish notice is on its way) or not prefilled yet.
@@ -217,11 +299,17 @@ class Scheduler:
             req.num_output += len(tokens)
             req.last_token = tokens[-1]
             req.pending.extend(tokens)
+            req.output_ids.extend(tokens)
 
     # --- views ----------------------------------------------------------------------------
     @property
     def free_slots(self) -> int:
         return self.num_slots - len(self.running)
+
+    @property
+    def blocks_used(self) -> int:
+        """KV blocks the running requests' planned steps hold (of `num_blocks`)."""
+        return sum(self._blocks(r.reserved) for r in self.running.values())
 
     @property
     def has_work(self) -> bool:

@@ -37,6 +37,10 @@ class EngineStats:
     step_seconds: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
     step_seconds_sum: float = 0.0
     stalls: int = 0
+    # prefix cache, in prompt tokens (vLLM's prefix_cache_queries / prefix_cache_hits): every
+    # first prefill's prompt, and the part of it whose KV came from the cache
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
     def record(self, outcome: StepOutcome, num_prefills: int) -> None:
         """One step; its first `num_prefills` requests were prefilled (not verify steps)."""

@@ -180,6 +180,7 @@ class Server:
         shape = ResponseShape(
             rid=new_id("chatcmpl" if chat else "cmpl"), model=info.served_name, chat=chat,
             n_choices=len(jobs), prompt_tokens=sum(len(p) for p in prompts),
+            num_prompts=len(prompts),
             want_logprobs=jobs[0].params.logprobs is not None,
             include_usage=bool(req.stream and req.stream_options
                                and req.stream_options.include_usage))

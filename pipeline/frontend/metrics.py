@@ -50,6 +50,13 @@ ENGINE_COUNTERS = (
     ("engine_stall_detections", "stalls",
      "Steps declared stalled (each fails the engine's in-flight requests)."),
     ("engine_restarts", "restarts", "Engine rebuilds after a failure (stage actors replaced)."),
+    # vLLM's prefix-cache counters, in prompt tokens
+    ("prefix_cache_queries", "prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache (first prefills)."),
+    ("prefix_cache_hits", "prefix_cache_hits",
+     "Prompt tokens whose KV came from the prefix cache."),
+    ("num_preemptions", "preemptions",
+     "Requests preempted (KV pool full) and later recomputed."),
 )
 
 
@@ -75,6 +82,10 @@ class _EngineStatsCollector(Collector):
             yield self._one(GaugeMetricFamily, name, doc, float(s.get(key) or 0))
         yield self._one(GaugeMetricFamily, "engine_healthy", "1 when the engine is healthy.",
                         1.0 if s.get("healthy", False) else 0.0)
+        blocks = float(s.get("kv_blocks") or 0)
+        yield self._one(GaugeMetricFamily, "kv_cache_usage_perc",
+                        "Share of the KV block pool the running requests hold (0..1).",
+                        float(s.get("kv_blocks_used") or 0) / blocks if blocks else 0.0)
         for name, key, doc in ENGINE_COUNTERS:
             yield self._one(CounterMetricFamily, name, doc, float(s.get(key) or 0))
 

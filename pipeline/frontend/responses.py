@@ -30,9 +30,25 @@ def stop_reason(c: Completion) -> Any:
     return c.matched_stop if c.finish_kind in ("stop_token", "stop_string") else None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+          ) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` when the engine reported
+    the prefix cache's share (0 when nothing was cached)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def cached_tokens(choices: list[ChoiceState], num_prompts: int) -> int | None:
+    """Prompt tokens served from the prefix cache, counted like `prompt_tokens` (each prompt
+    once): the mean over each prompt's choices, summed over prompts. None when no choice
+    reported it."""
+    got = [c.cached_tokens for c in choices if c.cached_tokens is not None]
+    if not got:
+        return None
+    return sum(got) * num_prompts // max(len(choices), 1)
 
 
 # ----------------------------------------------------------------------------- logprobs
@@ -83,26 +99,28 @@ def new_id(prefix: str) -> str:
 
 def completion_response(rid: str, model: str, choices: list[ChoiceState], prompt_tokens: int,
                         logprobs_for: Callable[[ChoiceState], dict | None],
-                        stop_reason_for: Callable[[ChoiceState], Any]) -> dict[str, Any]:
+                        stop_reason_for: Callable[[ChoiceState], Any],
+                        cached: int | None = None) -> dict[str, Any]:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{"index": c.index, "text": c.text, "logprobs": logprobs_for(c),
                      "finish_reason": c.finish_reason, "stop_reason": stop_reason_for(c),
                      "spec_stats": c.spec_stats()} for c in choices],
-        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached),
     }
 
 
 def chat_response(rid: str, model: str, choices: list[ChoiceState], prompt_tokens: int,
                   logprobs_for: Callable[[ChoiceState], dict | None],
-                  stop_reason_for: Callable[[ChoiceState], Any]) -> dict[str, Any]:
+                  stop_reason_for: Callable[[ChoiceState], Any],
+                  cached: int | None = None) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                      "logprobs": logprobs_for(c), "finish_reason": c.finish_reason,
                      "stop_reason": stop_reason_for(c), "spec_stats": c.spec_stats()}
                     for c in choices],
-        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached),
     }
 
 
@@ -131,9 +149,9 @@ def _chunk(obj: str, rid: str, model: str, created: int, choice: dict[str, Any],
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
+                completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached)}
 
 
 def sse(data: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ class ResponseShape:
     prompt_tokens: int
     want_logprobs: bool
     include_usage: bool  # streams: a final usage chunk, and "usage": null on the others
+    num_prompts: int = 1  # prompt_tokens counts each prompt once (choices share it)
 
 
 class ResponseWriter:
@@ -85,7 +86,7 @@ class ResponseWriter:
         build = resp.chat_response if self.shape.chat else resp.completion_response
         return build(self.shape.rid, self.shape.model, self.choices, self.shape.prompt_tokens,
                      lambda c: self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0),
-                     self.stop_reason)
+                     self.stop_reason, resp.cached_tokens(self.choices, self.shape.num_prompts))
 
     async def stream(self, first: list[tuple[int, RequestOutput]], deadline: float | None,
                      ) -> AsyncIterator[str]:
@@ -117,7 +118,8 @@ class ResponseWriter:
         s = self.shape
         return resp.usage_chunk(s.rid, s.model, self.created,
                                 "chat.completion.chunk" if s.chat else "text_completion",
-                                s.prompt_tokens, sum(len(c.token_ids) for c in self.choices))
+                                s.prompt_tokens, sum(len(c.token_ids) for c in self.choices),
+                                resp.cached_tokens(self.choices, s.num_prompts))
 
     def _delta_chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
         c, s = self.choices[index], self.shape

@@ -37,7 +37,12 @@ class GrammarTracker:
             self._matchers.pop(rid, None)
         for new in plan.new:
             if hasattr(new.params.grammar, "matcher"):  # a compiled grammar (test factories:
-                self._matchers[new.rid] = self._new_matcher(new.params.grammar)  # output only)
+                m = self._matchers[new.rid] = self._new_matcher(new.params.grammar)  # output only)
+                # a preempted request comes back with its output so far: the matcher
+                # consumes it again, as its commits did before
+                for t in new.prompt_ids[len(new.prompt_ids) - new.num_output:]:
+                    if not m.accept_token(t):
+                        break
         if not self._matchers:
             return
         for rid, tokens in plan.commits.items():

@@ -1,22 +1,25 @@
-"""Attention over the slot KV cache, behind one switch: torch SDPA or vllm-flash-attn.
+"""Attention over the block-paged KV cache, behind one switch: torch SDPA or vllm-flash-attn.
 
-Tokens of one forward are flat: run i of the batch holds `q_lens[i]` new tokens of slot
-`slots[i]` at positions `starts[i] .. starts[i] + q_lens[i] - 1`. `build_metadata` turns
-that into everything the kernels need, once per forward (not per layer).
+Tokens of one forward are flat: run i of the batch holds `q_lens[i]` new tokens of a sequence
+whose KV lives in the blocks `tables[i]` (pipeline.models.kv_cache: token p at row
+p % block_size of block tables[i][p // block_size]), at positions
+`starts[i] .. starts[i] + q_lens[i] - 1`. `build_metadata` turns that into everything the
+kernels need, once per forward (not per layer).
 
 - "sdpa": `torch.nn.functional.scaled_dot_product_attention`, any device. Runs are padded
-  to [B, T]; a boolean mask [B, 1, T, Lk] gives causal order and hides keys past each
-  slot's length. Decode and verify steps (T <= FOLD_MAX_T) fold the GQA group and the
+  to [B, T]; each run's keys are gathered through its block table (one index_select of whole
+  blocks per layer, [B, Lk] keys); a boolean mask [B, 1, T, Lk] gives causal order and hides
+  keys past each run's length. Decode and verify steps (T <= FOLD_MAX_T) fold the GQA group and the
   run's tokens into the query axis so one matmul per KV head serves all its query heads; a
   decode of equal lengths needs no mask. A forward that mixes prompts (runs over FOLD_MAX_T)
   with decode/verify runs attends each group on its own (`AttnMetadata.groups`), so the
   engine can prefill in the decode step's forward without padding decodes to a prompt; so do
   decode/verify runs of very different lengths (`split_runs`: a long draft next to decodes).
-- "flash": `flash_attn_varlen_func` of vllm-flash-attn 2.6.2 on CUDA, reading the slot
-  cache as a paged cache whose page is a whole slot (`block_table = slots[:, None]`; key
-  lengths as `cu_seqlens_k`, the cumulative slot lengths: that release has no `seqused_k`).
-  Causal masking is bottom-right aligned there, which is what a run appended at the end of
-  its slot needs. Varlen rather than `flash_attn_with_kvcache`: the kvcache kernel takes q
+- "flash": `flash_attn_varlen_func` of vllm-flash-attn 2.6.2 on CUDA over the paged cache
+  itself: `block_table` [B, max_blocks] int32 (each run's table, padded with block 0, never
+  read past the run's keys), key lengths as `cu_seqlens_k`, the cumulative run lengths (that
+  release has no `seqused_k`). Causal masking is bottom-right aligned there, which is what a
+  run appended at the end of its sequence needs. Varlen rather than `flash_attn_with_kvcache`: the kvcache kernel takes q
   as [B, T, H, D], so a batch mixing a long prefill with decodes would pad every run to the
   prefill's length; varlen packs the runs as they are. Importing this module never imports
   flash-attn.
@@ -82,51 +85,58 @@ def resolve_backend(backend: str, device: str | torch.device, dtype: torch.dtype
 @dataclass
 class AttnMetadata:
     backend: str
-    batch: int                      # B runs (flash) / rows of the padded query (sdpa)
+    batch: int                      # B runs
     max_q: int                      # T = longest run
-    max_k: int                      # Lk = longest slot length after this forward
-    slots: torch.Tensor             # [B] long
-    write_idx: torch.Tensor         # [N] long, slot * capacity + position, into a flat cache
-    positions: torch.Tensor         # [N] long, position of each new token in its slot
-    slot_start: int | None = None   # sdpa rows are cache slots start..start+batch-1: a view
+    max_k: int                      # Lk = longest run's key count after this forward
+    write_idx: torch.Tensor         # [N] long, block * block_size + row, into a flat cache
+    positions: torch.Tensor         # [N] long, position of each new token in its sequence
+    block_table: torch.Tensor       # [B, max_blocks] int32, run i's blocks (padded with 0)
     pad_idx: torch.Tensor | None = None   # [N] long into batch*T; None: tokens already [B, T]
     mask: torch.Tensor | None = None      # [batch, 1, T, Lk] bool, True = attend
     causal: bool = False            # sdpa: runs all start at 0 with one length: is_causal
     # flash only
     cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32, cumulative run lengths
-    cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32, cumulative slot lengths after this
-    block_table: torch.Tensor | None = None   # [B, 1] int32, run i's one page: its slot
+    cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32, cumulative key counts after this
     # sdpa, prefills next to decode/verify runs: (token indices, metadata) per group, each
     # attended on its own (one padded [B, T] over a prompt and 1-token decodes would pad
     # every decode to the prompt's length)
     groups: list[tuple[torch.Tensor, AttnMetadata]] | None = None
 
 
-def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: list[int],
-                   capacity: int, device: torch.device | str) -> AttnMetadata:
-    """Per-forward attention inputs. `starts[i]` is slot i's length before this forward."""
-    b = len(slots)
+def build_metadata(backend: str, tables: list[list[int]], starts: list[int],
+                   q_lens: list[int], block_size: int, device: torch.device | str
+                   ) -> AttnMetadata:
+    """Per-forward attention inputs. `starts[i]` is run i's key count before this forward;
+    `tables[i]` holds at least ceil((starts[i] + q_lens[i]) / block_size) blocks."""
+    b = len(tables)
     t = max(q_lens)
     k_lens = [s + q for s, q in zip(starts, q_lens)]
     lk = max(k_lens)
+    for table, k_len in zip(tables, k_lens):
+        if len(table) * block_size < k_len:
+            raise ValueError(f"attention: a block table of {len(table)} blocks cannot hold "
+                             f"{k_len} keys (block size {block_size})")
     uniform = all(q == t for q in q_lens)
-    slots_t = torch.tensor(slots, dtype=torch.long)
+    width = max(-(-k // block_size) for k in k_lens)
+    table_t = torch.zeros((b, width), dtype=torch.long)
+    for i, table in enumerate(tables):
+        used = table[: -(-k_lens[i] // block_size)]
+        table_t[i, : len(used)] = torch.tensor(used, dtype=torch.long)
     starts_t = torch.tensor(starts, dtype=torch.long)
     q_lens_t = torch.tensor(q_lens, dtype=torch.long)
     run = torch.arange(b).repeat_interleave(q_lens_t, output_size=sum(q_lens))  # run of token
     within = torch.arange(len(run)) - (torch.cumsum(q_lens_t, 0) - q_lens_t)[run]
     positions = starts_t[run] + within
+    write_idx = table_t[run, positions // block_size] * block_size + positions % block_size
     meta = AttnMetadata(
-        backend=backend, batch=b, max_q=t, max_k=lk, slots=slots_t.to(device),
-        write_idx=(slots_t[run] * capacity + positions).to(device),
-        positions=positions.to(device),
+        backend=backend, batch=b, max_q=t, max_k=lk, write_idx=write_idx.to(device),
+        positions=positions.to(device), block_table=table_t.to(torch.int32).to(device),
     )
     if backend == "flash":
         meta.cu_seqlens_q = _cumulative(q_lens).to(device)
-        # With a block table only the differences matter (key i of run b is page
-        # block_table[b], row i), so cumulative slot lengths give each run its key count.
+        # With a block table only the differences matter (key i of run b is row i % page of
+        # block block_table[b, i // page]), so cumulative key counts give each run its keys.
         meta.cu_seqlens_k = _cumulative(k_lens).to(device)
-        meta.block_table = slots_t.to(torch.int32)[:, None].to(device)
         return meta
     parts = split_runs(q_lens)
     if parts is not None:
@@ -134,35 +144,20 @@ def build_metadata(backend: str, slots: list[int], starts: list[int], q_lens: li
         meta.groups = []
         for runs in parts:
             tokens = [t for i in runs for t in range(offsets[i], offsets[i + 1])]
-            sub = build_metadata(backend, [slots[i] for i in runs], [starts[i] for i in runs],
-                                 [q_lens[i] for i in runs], capacity, device)
+            sub = build_metadata(backend, [tables[i] for i in runs], [starts[i] for i in runs],
+                                 [q_lens[i] for i in runs], block_size, device)
             meta.groups.append((torch.tensor(tokens, device=device), sub))
         return meta
-    # SDPA rows. Slots lo..lo+b-1 in order: the cache slice is the batch. Slots spread over at
-    # most 2b: attend over the whole slice (absent slots are padding rows) instead of copying
-    # KV per layer. Otherwise gather the slots' KV (index_select) and keep run order.
-    lo, span = min(slots), max(slots) - min(slots) + 1
-    row = torch.arange(b)
-    if span == b and slots == list(range(lo, lo + b)):
-        meta.slot_start = lo
-    elif span <= 2 * b:
-        meta.slot_start, meta.batch, row = lo, span, slots_t - lo
-    if meta.batch != b or not uniform or not torch.equal(row, torch.arange(b)):
-        # Runs are not already rows 0..b-1 of the slice in order (padding, mixed lengths, or
-        # slots in another order): scatter each token to its slot's row.
-        meta.pad_idx = (row[run] * t + within).to(device)
-    rows = meta.batch
+    if not uniform:  # mixed lengths: scatter each token to its run's row of the padded query
+        meta.pad_idx = (run * t + within).to(device)
     if t == 1 and all(k == lk for k in k_lens):
-        return meta  # decode, same lengths: every cached key is visible (padding rows unused)
+        return meta  # decode, same lengths: every gathered key is visible
     if uniform and not any(starts):
         meta.causal = True  # equal-length prefills from position 0: plain causal attention
         return meta
-    # Padding rows (absent slots) see key 0 only, so no row is fully masked (NaN).
-    q_pos = torch.arange(t).repeat(rows, 1)                                     # [rows, T]
-    q_pos[row] += starts_t[:, None]
-    k_len = torch.ones(rows, dtype=torch.long)
-    k_len[row] = torch.tensor(k_lens, dtype=torch.long)
+    q_pos = torch.arange(t)[None, :] + starts_t[:, None]                       # [B, T]
     k_pos = torch.arange(lk)
+    k_len = torch.tensor(k_lens, dtype=torch.long)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < k_len[:, None, None])
     meta.mask = mask[:, None].to(device)
     return meta
@@ -202,10 +197,11 @@ def _cumulative(lens: list[int]) -> torch.Tensor:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttnMetadata) -> None:
-    """Store new keys/values k, v [N, KH, D] into caches [S, C, KH, D] at meta.write_idx."""
-    s, c, kh, d = k_cache.shape
-    k_cache.view(s * c, kh, d).index_copy_(0, meta.write_idx, k)
-    v_cache.view(s * c, kh, d).index_copy_(0, meta.write_idx, v)
+    """Store new keys/values k, v [N, KH, D] into caches [blocks, block_size, KH, D] at
+    meta.write_idx."""
+    nb, bs, kh, d = k_cache.shape
+    k_cache.view(nb * bs, kh, d).index_copy_(0, meta.write_idx, k)
+    v_cache.view(nb * bs, kh, d).index_copy_(0, meta.write_idx, v)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
@@ -222,12 +218,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
 
 
 def _gather(cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-    """[S, C, KH, D] -> [B, KH, Lk, D] for this batch's slots (a view when contiguous)."""
-    if meta.slot_start is not None:
-        part = cache[meta.slot_start:meta.slot_start + meta.batch, :meta.max_k]
-    else:
-        part = cache[:, :meta.max_k].index_select(0, meta.slots)
-    return part.transpose(1, 2)
+    """[blocks, bs, KH, D] -> [B, KH, Lk, D]: each run's blocks in table order."""
+    _nb, bs, kh, d = cache.shape
+    b, width = meta.block_table.shape
+    blocks = cache.index_select(0, meta.block_table.view(-1).long())    # [B*width, bs, KH, D]
+    return blocks.view(b, width * bs, kh, d)[:, :meta.max_k].transpose(1, 2)
 
 
 def _attend_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -275,7 +270,7 @@ def _attend_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttnMetadata, scale: float) -> torch.Tensor:
     from vllm_flash_attn import flash_attn_varlen_func  # CUDA only; checked in resolve_backend
 
-    # k_cache [S, C, KH, D] is read as S pages of C tokens; run b's page is block_table[b].
+    # k_cache [blocks, bs, KH, D] is the paged cache; run b's pages are block_table[b].
     out = flash_attn_varlen_func(
         q.contiguous(), k_cache, v_cache,
         cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,

@@ -1,18 +1,22 @@
-"""Preallocated slot KV cache.
+"""Block-paged KV cache: one pool of fixed-size blocks, sized once, shared by every sequence.
 
-Layout per layer: `k[layer]`, `v[layer]` of shape [num_slots, capacity, kv_heads, head_dim].
+Layout per layer: `k[layer]`, `v[layer]` of shape [num_blocks, block_size, kv_heads, head_dim]
+(vllm-flash-attn's paged layout). A sequence ("slot": a small integer handle, at most
+`num_slots` at once) owns a block table (pipeline.models.block_manager); its token i lives at
+row i % block_size of block table[i // block_size]. Short requests take only the blocks they
+fill, so the same memory holds more of them than a whole `max_len` row each.
 
-Why slots and not pages: a speculative-decoding server keeps few requests per replica
-(batch 1..64) and needs cheap rollback. With one contiguous row per request, rejecting
-drafts is a length update (`truncate`), never a copy or a block free, and gathering a
-request's KV is a slice. The price is memory reserved up to `max_len` per slot; paged
-blocks would let short requests share that memory, which matters only at large batch.
+Rollback (rejected drafts) stays a length update: `truncate` sets the length and frees only
+the blocks wholly past the new end; nothing is copied.
 
 Invariants:
 - A slot is either free or owned by exactly one request (the caller of `allocate`).
-- `lengths[slot]` is the number of committed tokens; positions >= length hold stale data
-  that is never attended to (attention masks by length) and is overwritten on the next write.
-- Only the owner frees its slot; freeing resets its length to 0.
+- `lengths[slot]` is the number of committed tokens; rows at positions >= length hold stale
+  data that is never attended to (attention masks by length) and is overwritten on the next
+  write. `reserve` grows a slot's table before a forward writes past its blocks.
+- Only the owner frees its slot; freeing returns its blocks to the pool and its length to 0.
+- Allocation order is deterministic (lowest free slot, first freed block), so tensor-parallel
+  ranks applying the same calls hold the same slot and block ids.
 """
 
 from __future__ import annotations
@@ -21,27 +25,35 @@ import bisect
 
 import torch
 
+from pipeline.models.block_manager import BlockManager, CacheFullError
 
-class CacheFullError(RuntimeError):
-    """Raised by `allocate` when every slot is owned."""
+__all__ = ["DEFAULT_BLOCK_SIZE", "CacheFullError", "KVCache"]
+
+DEFAULT_BLOCK_SIZE = 16  # vllm-flash-attn's paged block_table wants a multiple of 16
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", capacity_multiple: int = 1) -> None:
-        if num_slots <= 0 or max_len <= 0:
-            raise ValueError(f"KVCache needs num_slots > 0 and max_len > 0, "
-                             f"got {num_slots}, {max_len}")
+                 device: str | torch.device = "cpu", block_size: int = DEFAULT_BLOCK_SIZE,
+                 num_blocks: int | None = None, prefix_caching: bool = False) -> None:
+        if num_slots <= 0 or max_len <= 0 or block_size <= 0:
+            raise ValueError(f"KVCache needs num_slots, max_len and block_size > 0, "
+                             f"got {num_slots}, {max_len}, {block_size}")
         self.num_slots = num_slots
         self.max_len = max_len
-        # Flash-attention reads the cache as pages of `capacity` tokens; it wants a multiple of 16.
-        self.capacity = -(-max_len // capacity_multiple) * capacity_multiple
-        shape = (num_slots, self.capacity, num_kv_heads, head_dim)
+        self.block_size = block_size
+        # Default: the memory of one max_len row per slot (what the slot cache reserved).
+        if num_blocks is None:
+            num_blocks = num_slots * -(-max_len // block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots
-        self._free = list(range(num_slots))  # sorted: lowest slot first keeps batches contiguous
+        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # what each slot holds
+        self._free = list(range(num_slots))  # sorted: lowest slot first
         self._owned = [False] * num_slots
 
     @property
@@ -54,12 +66,27 @@ class KVCache:
         slot = self._free.pop(0)
         self._owned[slot] = True
         self.lengths[slot] = 0
+        self.tokens[slot] = []
+        self.blocks.add(slot)
         return slot
+
+    def attach_prefix(self, slot: int, tokens: list[int]) -> int:
+        """A freshly allocated slot takes the longest cached prefix of `tokens` (whole blocks,
+        at most len(tokens) - 1 tokens: the last one is always computed, for its logits);
+        returns its length, the tokens whose KV came from the cache."""
+        self.check_owned(slot)
+        if self.lengths[slot]:
+            raise ValueError(f"attach_prefix: KV slot {slot} is not empty")
+        n = self.blocks.attach(slot, tokens, len(tokens) - 1)
+        self.lengths[slot] = n
+        self.tokens[slot] = list(tokens[:n])
+        return n
 
     def free(self, slot: int) -> None:
         self.check_owned(slot)
         self._owned[slot] = False
         self.lengths[slot] = 0
+        self.blocks.remove(slot)
         bisect.insort(self._free, slot)
 
     def check_owned(self, slot: int) -> None:
@@ -68,10 +95,27 @@ class KVCache:
         if not self._owned[slot]:
             raise ValueError(f"KV slot {slot} is free (not allocated)")
 
+    def table(self, slot: int) -> list[int]:
+        return self.blocks.tables[slot]
+
+    def reserve(self, slots: list[int], num_tokens: list[int]) -> None:
+        """Grow each slot's table to hold its `num_tokens`; all or nothing (CacheFullError)."""
+        need = sum(self.blocks.missing(s, n) for s, n in zip(slots, num_tokens))
+        if need > self.blocks.num_free:
+            raise CacheFullError(f"KV cache full: {need} more blocks needed, "
+                                 f"{self.blocks.num_free} of {self.num_blocks} free")
+        for slot, n in zip(slots, num_tokens):
+            self.blocks.ensure(slot, n)
+
     def truncate(self, slot: int, length: int) -> None:
-        """Roll back to `length` committed tokens (rejected drafts): a length update."""
+        """Roll back to `length` committed tokens (rejected drafts): a length update, and the
+        blocks wholly past the new end go back to the pool. The caller vouches that the first
+        `length` tokens are committed (never drafts): their full blocks become cacheable."""
         self.check_owned(slot)
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"truncate slot {slot} to {length}: must be in "
                              f"0..{self.lengths[slot]} (current length)")
         self.lengths[slot] = length
+        del self.tokens[slot][length:]
+        self.blocks.truncate(slot, length)
+        self.blocks.commit(slot, self.tokens[slot])

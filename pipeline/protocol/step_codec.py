@@ -64,12 +64,14 @@ SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos",
                    "top_p", "top_k", "seed", "min_new_tokens", "grammar")
 _PARAM_KEYS = frozenset(SAMPLING_FIELDS)
 _GRAMMAR_KEYS = frozenset({"kind", "compiled"})
-_NEW_BODY = frozenset({"rid", "prompt", "params"})
+_NEW_BODY = frozenset({"rid", "prompt", "params", "tenant", "nout"})
+MAX_TENANT_CHARS = 64  # a tenant is a 32-hex-digit hash (pipeline.frontend.tenant)
 _NEW_KEYS = _NEW_BODY | {"v", "m"}
 _PLAN_KEYS = frozenset({"v", "m", "step", "rel", "new", "dec", "last", "kv", "nout", "ks",
                         "caps", "gain", "com", "fin", "tp"})
 _PROPOSAL_KEYS = frozenset({"v", "m", "n", "tok", "pm", "pv", "pq", "cf", "s"})
-_OUTCOME_KEYS = frozenset({"v", "m", "step", "rids", "len", "tok", "draft", "exp", "ds"})
+_OUTCOME_KEYS = frozenset({"v", "m", "step", "rids", "len", "tok", "draft", "exp", "ds",
+                           "cached"})
 
 
 # --- new request ------------------------------------------------------------------------------
@@ -85,14 +87,18 @@ def decode_new_request(payload: Any) -> NewRequest:
 
 def _new_body(req: NewRequest) -> dict[str, Any]:
     return {"rid": req.rid, "prompt": to_bin(req.prompt_ids, I32, "prompt_ids"),
-            "params": _params_map(req.params)}
+            "params": _params_map(req.params), "tenant": req.tenant, "nout": req.num_output}
 
 
 def _new_request(body: Any, where: str) -> NewRequest:
     check_keys(body, _NEW_BODY, where)
     rid = want_rids([body["rid"]], f"{where}.rid")[0]
     prompt = int_list(body["prompt"], None, f"{where}.prompt")
-    return NewRequest(rid, prompt, _params(body["params"], f"{where}.params"))
+    tenant = want_str(body["tenant"], f"{where}.tenant", MAX_TENANT_CHARS)
+    # a resumed (preempted) request's output so far is the end of its prefill
+    num_output = want_int(body["nout"], f"{where}.nout", 0, max(0, len(prompt) - 1))
+    return NewRequest(rid, prompt, _params(body["params"], f"{where}.params"), tenant,
+                      num_output)
 
 
 def _params_map(p: SamplingParams) -> dict[str, Any]:
@@ -269,6 +275,7 @@ def encode_outcome(o: StepOutcome) -> bytes:
         "exp": None if o.expected is None else [None if e is None else float(e)
                                                 for e in o.expected],
         "ds": o.decode_s,
+        "cached": to_bin(o.cached, I32, "cached"),
     })
 
 
@@ -298,5 +305,6 @@ def decode_outcome(payload: Any) -> StepOutcome:
         drafted=drafted,
         expected=expected,
         decode_s=None if ds is None else want_float(ds, "outcome.ds", 0.0),
+        cached=int_list(msg["cached"], None, "outcome.cached"),
     )
 

@@ -44,28 +44,31 @@ class Verifier:
     def step(self, plan: StepPlan, proposal: Proposal | None) -> StepOutcome | None:
         """Run one step; the driver returns its outcome (with the encoded message)."""
         self.release(plan.release)
+        cached = []
         for new in plan.new:
             if new.rid in self._slots:
                 raise ValueError(f"verifier: request {new.rid!r} is already running")
-            self._slots[new.rid] = self.runner.allocate()
+            slot = self._slots[new.rid] = self.runner.allocate()
             self._params[new.rid] = new.params
+            cached.append(self.runner.attach_prefix(slot, new.prompt_ids))
         if self.driver:
             self.grammars.apply(plan)
         if not plan.rids:  # a release-only plan
             return StepOutcome(plan.step, [], [], []) if self.driver else None
         drafts = self._drafts(plan, proposal)
-        logits, decode_s = self._forward(plan, drafts)
+        logits, decode_s = self._forward(plan, drafts, cached)
         if not self.driver:
             return None
         start = time.perf_counter()
         params = [self._params[rid] for rid in plan.rids]
-        positions = [0] * len(plan.new) + list(plan.num_outputs)
+        positions = [n.num_output for n in plan.new] + list(plan.num_outputs)
         all_drafts = [[] for _ in plan.new] + drafts
         q = self._draft_probs(plan, proposal, all_drafts)
         allowed = self.grammars.masks(plan.rids, all_drafts,
                                       max(len(d) for d in all_drafts) + 1, logits[0].shape[-1])
         result = _accept(logits, all_drafts, params, positions, q, self.generator, allowed)
         outcome = _outcome(plan, result, all_drafts, params)
+        outcome.cached = cached
         if proposal is not None and proposal.confidence is not None:
             outcome.expected = [None] * len(plan.new) + [
                 float(sum(c[: len(d)])) for c, d in zip(proposal.confidence, drafts)]
@@ -82,7 +85,7 @@ class Verifier:
         limits = plan.draft_limits(self.runner.max_len)
         return [list(tokens[:n]) for tokens, n in zip(proposal.tokens, limits)]
 
-    def _forward(self, plan: StepPlan, drafts: list[list[int]]
+    def _forward(self, plan: StepPlan, drafts: list[list[int]], cached: list[int]
                  ) -> tuple[list[torch.Tensor], float | None]:
         """Logits per rid in message order: [1, V] for a prefill, [1 + k_i, V] for a verify;
         and the seconds the forward took when it held decodes only (None with a prefill: that
@@ -93,7 +96,7 @@ class Verifier:
         that admits a request (at batch 8, requests that end at different steps are admitted
         one at a time)."""
         slots = [self._slots[n.rid] for n in plan.new]
-        runs = [n.prompt_ids for n in plan.new]
+        runs = [n.prompt_ids[c:] for n, c in zip(plan.new, cached)]  # past the cached prefix
         decode_slots = [self._slots[rid] for rid in plan.decode]
         for slot, kv_len in zip(decode_slots, plan.kv_lens):
             self.runner.truncate(slot, kv_len)  # lazy commit of the previous step
@@ -103,6 +106,8 @@ class Verifier:
         logits = self.runner.forward(slots, runs, last_only=[True] * len(plan.new)
                                      + [False] * len(plan.decode))
         seconds = time.perf_counter() - start
+        for slot in slots[: len(plan.new)]:  # a prompt is committed: its full blocks cacheable
+            self.runner.truncate(slot, self.runner.length(slot))
         return logits, seconds if not plan.new else None
 
     def _draft_probs(self, plan: StepPlan, proposal: Proposal | None,
