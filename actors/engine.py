@@ -22,6 +22,7 @@ from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
 from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.gc_tuning import tune_gc
+from pipeline.output.delta_codec import decode_deltas
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.protocol import (
@@ -145,10 +146,11 @@ class RayStages:
         return outcome
 
     async def process(self, payload: Any) -> list[RequestOutput]:
-        return await self._call(self.actors.output.process, payload)
+        return decode_deltas(await self._call(self.actors.output.process, payload))
 
     async def abort(self, rid: str) -> RequestOutput | None:
-        return await self._call(self.actors.output.abort, rid)
+        deltas = decode_deltas(await self._call(self.actors.output.abort, rid))
+        return deltas[0] if deltas else None
 
     async def dropped_steps(self) -> int:
         return await self._call(self.actors.output.dropped_steps)

@@ -1,5 +1,5 @@
 """OutputActor: the (traced) OutputProcessor; receives each request's NewRequest and each step's
-VerifyStep as msgpack bytes."""
+VerifyStep as msgpack bytes and answers with msgpack deltas."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pipeline.config import EngineConfig
 from pipeline.gc_tuning import tune_gc
 from pipeline.grammar.memory import set_memory_budget
 from pipeline.models.runners import load_engine_tokenizer
+from pipeline.output.delta_codec import encode_deltas
 from pipeline.output.processor import OutputProcessor
-from pipeline.output.request_output import RequestOutput
 from pipeline.output.spans import TracedOutputProcessor
 from pipeline.protocol import decode_new_request
 from pipeline.tokenizer import eos_token_ids
@@ -30,11 +30,14 @@ class OutputActor:
         req = decode_new_request(request)
         self.processor.add_request(req.rid, req.prompt_ids, req.params, traceparent=traceparent)
 
-    def process(self, payload: bytes) -> list[RequestOutput]:
-        return self.processor.process(payload)
+    def process(self, payload: bytes) -> bytes:
+        """A VerifyStep message in, the step's deltas out (pipeline.output.delta_codec)."""
+        return encode_deltas(self.processor.process(payload))
 
-    def abort(self, rid: str) -> RequestOutput | None:
-        return self.processor.abort(rid)
+    def abort(self, rid: str) -> bytes:
+        """The abort delta (none when the request is unknown), as a deltas message."""
+        out = self.processor.abort(rid)
+        return encode_deltas([] if out is None else [out])
 
     def dropped_steps(self) -> int:
         return int(self.processor.dropped_steps)

@@ -29,7 +29,8 @@ MESSAGE_METHODS = {
     (DraftWorker, "propose"): (["plan"], "bytes"),
     (TargetVerifier, "verify"): (["plan", "proposal"], "tuple[bytes | None, bytes | None]"),
     (OutputActor, "add_request"): (["request"], "None"),
-    (OutputActor, "process"): (["payload"], "list[RequestOutput]"),
+    (OutputActor, "process"): (["payload"], "bytes"),
+    (OutputActor, "abort"): ([], "bytes"),
 }
 SCALARS = (str, int, float, bool, type(None))
 
@@ -111,11 +112,19 @@ def test_the_ray_stages_send_only_bytes_and_give_the_in_process_output(monkeypat
     assert {rid: c.token_ids for rid, c in over_stages.items()} == \
         {rid: c.token_ids for rid, c in in_process.items()}
     assert over_stages["g1"].logprobs == pytest.approx(in_process["g1"].logprobs, abs=1e-5)
+    tops = [over_stages["g1"].top_logprobs, in_process["g1"].top_logprobs]
+    assert [[i for i, _ in t] for t in tops[0]] == [[i for i, _ in t] for t in tops[1]]
+    assert [x for t in tops[0] for _, x in t] == pytest.approx(
+        [x for t in tops[1] for _, x in t], abs=1e-5)
+    # the finish crosses too (the drafting statistics follow the adaptive k, which sees timings)
+    ends = [(c["g0"].last.finish_reason, c["g0"].last.finish_kind, c["g0"].last.finished_len)
+            for c in (over_stages, in_process)]
+    assert ends[0] == ends[1] and ends[0][0] is not None
     calls = {name for name, _, _ in log}
     assert {"draft.propose", "verifier.verify", "output.add_request", "output.process"} <= calls
     for name, args, result in log:
         assert all(isinstance(a, (bytes, *SCALARS)) for a in args), (name, args)
-        if name in ("draft.propose", "verifier.verify"):
+        if name in ("draft.propose", "verifier.verify", "output.process", "output.abort"):
             flat = result if isinstance(result, tuple) else (result,)
             assert all(isinstance(r, bytes) for r in flat), (name, result)
     sampled = [args[1] for name, args, _ in log
