@@ -30,12 +30,17 @@ class StubOutput:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def process(self, payload: bytes) -> list:
-        self.calls.append(f"process:{payload.decode()}")
-        return []
+    def process(self, payload: bytes) -> bytes:
+        from pipeline.output.delta_codec import encode_deltas
 
-    def abort(self, rid: str) -> None:
+        self.calls.append(f"process:{payload.decode()}")
+        return encode_deltas([])
+
+    def abort(self, rid: str) -> bytes:
+        from pipeline.output.delta_codec import encode_deltas
+
         self.calls.append(f"abort:{rid}")
+        return encode_deltas([])
 
     def add_request(self, req, traceparent) -> None:
         self.calls.append(f"add:{req}")

@@ -35,7 +35,7 @@ class FakeHandle:
 
     def __init__(self, outputs, error=None):
         self.outputs, self.error, self.aborted, self.groups = outputs, error, [], []
-        self.lasts = []
+        self.lasts, self.tenants = [], []
         self.generate = _Method(self._generate)
         self.abort = _Method(self._abort)
         self.health = _Method(self._dead)
@@ -45,7 +45,8 @@ class FakeHandle:
             raise value
         return value
 
-    async def _generate(self, rid, ids, params, traceparent, group, last):
+    async def _generate(self, rid, ids, params, traceparent, group, last, tenant=""):
+        self.tenants.append(tenant)
         self.groups.append(group)
         self.lasts.append(last)
         for out in self.outputs:
@@ -101,11 +102,12 @@ def test_dead_actor_on_health_is_engine_dead_error():
         asyncio.run(EngineClient(FakeHandle([])).health())
 
 
-def test_generate_passes_the_admission_group_and_a_batchs_last_to_the_engine():
+def test_generate_passes_the_admission_group_a_batchs_last_and_the_tenant_to_the_engine():
     handle = FakeHandle([RequestOutput("r1", [5], finished=True, finish_reason="length")])
 
     async def go(**kw):
         return [o async for o in EngineClient(handle).generate("r1", [1], SamplingParams(), **kw)]
     assert [o.token_ids for o in asyncio.run(go(group="http-7"))] == [[5]]
-    asyncio.run(go(group="job", last=True))
+    asyncio.run(go(group="job", last=True, tenant="t" * 32))
     assert handle.groups == ["http-7", "job"] and handle.lasts == [False, True]
+    assert handle.tenants == ["", "t" * 32]
