@@ -35,6 +35,7 @@ from pipeline.protocol.wire import (
     MAX_PAYLOAD_BYTES,
     MAX_RID_CHARS,
     ProtocolError,
+    unpack,
 )
 
 PROTOCOL_VERSION = 1
@@ -210,16 +211,7 @@ def encode_columns(cols: StepColumns) -> bytes:
 
 def decode_columns(payload: bytes) -> StepColumns:
     """Parse and validate one message. Raises ProtocolError on anything malformed."""
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise ProtocolError(f"payload must be bytes, got {type(payload).__name__}")
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
-    try:
-        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # noqa: BLE001 - msgpack raises many unrelated types for bad bytes
-        raise ProtocolError(f"not a valid msgpack message: {e}") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError("message must be a map")
+    msg = unpack(payload)
     v = msg.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:  # True == 1 and 1.0 == 1: not versions
         raise ProtocolError(f"unsupported protocol version {v!r}")
