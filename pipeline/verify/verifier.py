@@ -67,8 +67,7 @@ class Verifier:
         allowed = self.grammars.masks(plan.rids, all_drafts,
                                       max(len(d) for d in all_drafts) + 1, logits[0].shape[-1])
         result = _accept(logits, all_drafts, params, positions, q, self.generator, allowed)
-        outcome = _outcome(plan, result, all_drafts, params)
-        outcome.cached = cached
+        outcome = _outcome(plan, result, all_drafts, params, cached)
         if proposal is not None and proposal.confidence is not None:
             outcome.expected = [None] * len(plan.new) + [
                 float(sum(c[: len(d)])) for c, d in zip(proposal.confidence, drafts)]
@@ -151,7 +150,7 @@ def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[Sa
 
 
 def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],
-             params: list[SamplingParams]) -> StepOutcome:
+             params: list[SamplingParams], cached: list[int]) -> StepOutcome:
     lengths = result.num_tokens.cpu().numpy().astype(np.int64)
     keep = np.arange(result.token_ids.shape[1])[None, :] < lengths[:, None]
     tokens = result.token_ids.cpu().numpy()[keep].astype(np.int64)
@@ -172,7 +171,10 @@ def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],
         logprobs=result.logprobs.cpu().numpy()[keep].astype(np.float64),
         top_n=top_n, top_ids=top_ids, top_logprobs=top_lps,
         traceparent=plan.traceparent, time=time.time(),
+        # a step that prefills tells the output stage what the prefix cache served (its spans)
+        cached=np.array(cached + [0] * len(plan.decode), dtype=np.int64) if plan.new else None,
     )
     token_lists = [t.tolist() for t in np.split(tokens, np.cumsum(lengths)[:-1])]
     return StepOutcome(step=plan.step, rids=plan.rids, tokens=token_lists,
-                       drafted=[len(d) for d in drafts], payload=encode_columns(cols))
+                       drafted=[len(d) for d in drafts], payload=encode_columns(cols),
+                       cached=cached)
