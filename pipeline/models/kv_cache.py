@@ -22,6 +22,8 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import hashlib
+from array import array
 
 import torch
 
@@ -97,6 +99,18 @@ class KVCache:
 
     def table(self, slot: int) -> list[int]:
         return self.blocks.tables[slot]
+
+    def digest(self) -> bytes:
+        """16 bytes naming what every sequence holds: each owned slot's length and block table,
+        and the pool's free and cached-free counts. Tensor-parallel ranks compare it
+        (pipeline.verify.ranks): equal calls give equal digests."""
+        h = hashlib.blake2b(digest_size=16)
+        for slot in range(self.num_slots):
+            if self._owned[slot]:
+                table = self.blocks.tables[slot]
+                h.update(array("q", (slot, self.lengths[slot], len(table), *table)).tobytes())
+        h.update(array("q", (self.blocks.num_free, self.blocks.num_cached_free)).tobytes())
+        return h.digest()
 
     def reserve(self, slots: list[int], num_tokens: list[int]) -> None:
         """Grow each slot's table to hold its `num_tokens`; all or nothing (CacheFullError)."""
