@@ -241,3 +241,25 @@ def test_tp2_greedy_output_is_the_same_with_the_prefix_cache_on_and_off_and_as_t
     # visible state diverged (rank 1 caches nothing): the step's reports disagree
     assert "KVDivergenceError" in results["diverged"]
     assert "hold different KV blocks" in results["diverged"]
+
+
+def test_block_histories_match_for_the_same_calls_and_never_again_after_one_differs():
+    from pipeline.models.block_manager import BlockManager
+
+    def run(bm, hit_tokens):
+        bm.add(0)
+        bm.ensure(0, 40)
+        bm.commit(0, [7] * 40)
+        bm.remove(0)
+        bm.add(1)
+        bm.attach(1, hit_tokens, len(hit_tokens) - 1)
+        bm.ensure(1, 50)
+        bm.truncate(1, 45)
+        return bm.history
+
+    a, b, c = (BlockManager(8, 16, prefix_caching=True) for _ in range(3))
+    assert run(a, [7] * 40) == run(b, [7] * 40) != b""
+    assert run(c, [7] * 16 + [8] * 24) != a.history  # one hit fewer
+    for bm in (a, c):  # the same calls afterwards: still apart
+        bm.remove(1)
+    assert a.history != c.history and a.num_free == c.num_free

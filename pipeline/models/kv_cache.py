@@ -101,16 +101,12 @@ class KVCache:
         return self.blocks.tables[slot]
 
     def digest(self) -> bytes:
-        """16 bytes naming what every sequence holds: each owned slot's length and block table,
-        and the pool's free and cached-free counts. Tensor-parallel ranks compare it
-        (pipeline.verify.ranks): equal calls give equal digests."""
-        h = hashlib.blake2b(digest_size=16)
-        for slot in range(self.num_slots):
-            if self._owned[slot]:
-                table = self.blocks.tables[slot]
-                h.update(array("q", (slot, self.lengths[slot], len(table), *table)).tobytes())
-        h.update(array("q", (self.blocks.num_free, self.blocks.num_cached_free)).tobytes())
-        return h.digest()
+        """16 bytes naming the pool's state: the block manager's decision history (every block
+        handed out, hit or freed, in order) and its free counts. O(1): tensor-parallel ranks
+        compare it every step (pipeline.verify.ranks); equal calls give equal digests, and
+        ranks that ever decided differently never match again."""
+        free = array("q", (self.blocks.num_free, self.blocks.num_cached_free)).tobytes()
+        return hashlib.blake2b(self.blocks.history + free, digest_size=16).digest()
 
     def reserve(self, slots: list[int], num_tokens: list[int]) -> None:
         """Grow each slot's table to hold its `num_tokens`; all or nothing (CacheFullError)."""

@@ -3,7 +3,7 @@
 Each rank keeps its own block manager and applies the plan's calls in the same order; the
 allocation is deterministic, so equal calls give equal block ids (pipeline.models.block_manager).
 Nothing exchanges the block decisions themselves, so this makes a divergence impossible to miss:
-rank 0's outcome carries a digest of its block tables and lengths after the step, every other
+rank 0's outcome carries a digest of its block decisions after the step, every other
 rank reports its own (RankReport), and a mismatch fails the step before its tokens are output.
 Before a forward that prefills, the ranks also compare digests among themselves
 (pipeline.models.tp.check_ranks_agree), since prefix-cache hits set the forward's shapes.
