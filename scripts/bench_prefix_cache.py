@@ -86,7 +86,8 @@ def conversation(base: str, turns: int, max_tokens: int,
             start = time.perf_counter()
             ttft, text, usage = None, "", None
             with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                r.raise_for_status()
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -104,20 +105,23 @@ def conversation(base: str, turns: int, max_tokens: int,
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml")
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--tools", type=int, default=12, help="tool docs in the system prompt")
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    extra = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
     results = {}
     for label, caching in (("on", True), ("off", False)):
-        server, base, _core = serve({"enable_prefix_caching": caching}, args.config)
+        server, base, _core = serve({"enable_prefix_caching": caching, **extra}, args.config)
         # warm-up (first-call costs) on another system prompt: turn 1 starts cold
-        conversation(base, 1, 4, system="You are a helpful assistant.")
-        results[label] = conversation(base, args.turns, args.max_tokens)
+        conversation(base, 1, 4, system="Warm up.")  # shares < 1 block
+        results[label] = conversation(base, args.turns, args.max_tokens, system_prompt(args.tools))
         server.should_exit = True
     print(f"{'turn':>4} {'prompt':>6} {'cached on':>9} {'TTFT on s':>9} {'TTFT off s':>10}")
     for i, (on, off) in enumerate(zip(results["on"], results["off"])):
@@ -132,6 +136,7 @@ def main() -> None:
     print(f"min cached_tokens / previous turn's prompt: {frac:.3f} (target >= 0.8)")
     same = [a["text"] for a in results["on"]] == [b["text"] for b in results["off"]]
     print(f"answers identical with caching on and off: {same}")
+    return results
 
 
 if __name__ == "__main__":
