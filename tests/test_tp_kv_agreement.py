@@ -57,6 +57,13 @@ def test_rank_report_and_outcome_digest_cross_as_msgpack():
         decode_rank_report(encode_rank_report(RankReport(3, 0, D1)))  # rank 0 sends outcomes
     with pytest.raises(ProtocolError, match="rank.kvd"):
         decode_rank_report(encode_rank_report(RankReport(3, 1, b"x" * 65)))
+    import msgpack
+
+    msg = msgpack.unpackb(encode_outcome(StepOutcome(3, [], [], [], kv_digest=D0)))
+    with pytest.raises(ProtocolError, match="outcome.kvd"):
+        decode_outcome(msgpack.packb({**msg, "kvd": "text"}))
+    with pytest.raises(ProtocolError, match="expected a 'rank' message"):
+        decode_rank_report(encode_outcome(StepOutcome(3, [], [], [], kv_digest=D0)))
 
 
 def _requests(round_: int, n: int = 6):
