@@ -179,3 +179,33 @@ def test_the_step_message_cached_column_round_trips_and_is_checked():
         encode_columns(cols(np.array([-1, 0])))
     with pytest.raises(ProtocolError, match="ch"):
         encode_columns(cols(np.array([16])))
+
+
+def test_batch_generate_results_report_cached_tokens():
+    import os
+    import sys
+
+    from pipeline.frontend.tokenizer import TokenizerAdapter
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import batch_generate
+
+    core = _engine({"draft": "ngram"})
+    tok = TokenizerAdapter(core.stages.verifier.runner.tokenizer)
+    system = _system_prompt(300)
+    items = [batch_generate.parse_line(i, json.dumps({"prompt": system + f" question {i}",
+                                                      "max_tokens": 4, "temperature": 0}),
+                                       tok, max_model_len=2048, vocab_size=256,
+                                       default_max_tokens=8) for i in range(3)]
+
+    async def run():
+        try:
+            return await batch_generate.generate_all(LocalEngineClient(core), items, 1, 60.0)
+        finally:
+            await core.stop()
+
+    _progress, rows = asyncio.run(run())
+    assert [r["error"] for r in rows] == [None] * 3
+    # one at a time: each later line reuses the shared prefix (BOS + 300 bytes + " question ":
+    # 311 tokens) as whole blocks of 16
+    assert [r["cached_tokens"] for r in rows] == [0, 304, 304]
