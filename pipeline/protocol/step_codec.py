@@ -333,4 +333,3 @@ def decode_rank_report(payload: Any) -> RankReport:
     return RankReport(step=want_int(msg["step"], "rank.step", 0, 1 << 62),
                       rank=want_int(msg["rank"], "rank.rank", 1, 1 << 16),
                       kv_digest=_digest(msg["kvd"], "rank.kvd"))
-
