@@ -30,10 +30,12 @@ from pipeline.protocol import (
     StepOutcome,
     StepPlan,
     decode_outcome,
+    decode_rank_report,
     encode_new_request,
     encode_plan,
 )
 from pipeline.tracing.otel import context_from_traceparent, flush_tracing, get_tracer, setup_tracing
+from pipeline.verify.ranks import check_rank_reports
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,8 @@ class RayStages:
         # Await every rank: a dead rank surfaces as its own error, not as rank 0 hanging.
         results = await asyncio.gather(*(outcome for outcome, _ in calls))
         outcome = decode_outcome(results[0])
+        # every rank holds rank 0's blocks, or the step fails before its tokens are output
+        check_rank_reports(outcome, [decode_rank_report(r) for r in results[1:]])
         outcome.payload = calls[0][1]  # an ObjectRef to the VerifyStep bytes
         return outcome
 

@@ -14,8 +14,8 @@ import socket
 from pipeline.config import EngineConfig
 from pipeline.grammar.memory import set_memory_budget
 from pipeline.models.runners import build_runner, set_torch_threads
-from pipeline.models.tp import init_distributed
-from pipeline.protocol import decode_plan, decode_proposal, encode_outcome
+from pipeline.models.tp import check_ranks_agree, init_distributed
+from pipeline.protocol import decode_plan, decode_proposal, encode_outcome, encode_rank_report
 from pipeline.verify.verifier import Verifier
 
 
@@ -42,16 +42,18 @@ class TargetVerifier:
         if world > 1:
             init_distributed(self.rank, world, init_method)
         runner = build_runner(self.config, "target", tp_rank=self.rank, tp_world=world)
-        self.verifier = Verifier(runner, driver=self.rank == 0)
+        self.verifier = Verifier(runner, driver=self.rank == 0,
+                                 agree=check_ranks_agree if world > 1 else None)
         return {"vocab_size": runner.vocab_size,
                 "eos_token_ids": list(runner.config.eos_token_ids)}
 
     def verify(self, plan: bytes, proposal: bytes | None) -> tuple[bytes | None, bytes | None]:
-        """(StepOutcome, VerifyStep) messages from rank 0; (None, None) from the other ranks."""
+        """(StepOutcome, VerifyStep) messages from rank 0; (RankReport, None) from the others."""
         drafts = None if proposal is None else decode_proposal(proposal)
-        outcome = self.verifier.step(decode_plan(plan), drafts)
+        step = decode_plan(plan)
+        outcome = self.verifier.step(step, drafts)
         if outcome is None:
-            return None, None
+            return encode_rank_report(self.verifier.report(step.step, self.rank)), None
         return encode_outcome(outcome), outcome.payload
 
     def ping(self) -> bool:

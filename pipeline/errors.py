@@ -17,3 +17,8 @@ class GrammarOutputError(RuntimeError):
     """The request's grammar could not accept its output (a dead end, a rejected token or one of
     the matcher's internal limits met while generating): the output stage ended it with finish
     reason "error" (HTTP 400 `invalid_grammar`, or an in-band error event in a stream)."""
+
+
+class KVDivergenceError(RuntimeError):
+    """Tensor-parallel ranks disagree on their KV blocks (prefix-cache hits, block tables or
+    lengths): their forwards would no longer match, so the engine fails and rebuilds."""

@@ -92,3 +92,35 @@ async def collect(core: EngineCore, requests: list[tuple[str, list[int], Samplin
     results = await asyncio.gather(*(one(*r) for r in requests))
     await core.idle()  # the finished requests' slots freed: the runner may serve another engine
     return {c.rid: c for c in results}
+
+
+class LocalEngineClient:
+    """The front end's engine API (pipeline.frontend.app's `engine_client`: generate, abort,
+    stats, health, model_info) over an in-process EngineCore on the caller's event loop: the
+    HTTP app without Ray (tests, benchmarks)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                       traceparent: str | None = None, group: str | None = None,
+                       last: bool = False, tenant: str = "") -> Any:
+        self.core.start()
+        stream = await self.core.add_request(rid, list(prompt_ids), params, traceparent, group,
+                                             last, tenant)
+        async for delta in stream:
+            yield delta
+
+    async def abort(self, rid: str) -> None:
+        await self.core.abort(rid)
+
+    async def stats(self) -> dict[str, Any]:
+        return {**await self.core.stats_dict(), "restarts": 0}
+
+    async def health(self) -> dict[str, Any]:
+        return self.core.health()
+
+    async def model_info(self) -> dict[str, Any]:
+        c = self.core.config
+        return {"name": c.served_name, "source": c.model, "max_model_len": c.max_model_len,
+                "vocab_size": self.core.scheduler.vocab_size, "eos_token_ids": []}

@@ -23,7 +23,10 @@ Invariants:
   committed end, into blocks of the writer's own; truncating into a keyed block drops its key
   if the block is the caller's alone, and is refused if it is shared);
 - allocation, append, free and a hit are O(1) per block; the order is deterministic, so every
-  tensor-parallel rank that applies the same calls holds the same block ids.
+  tensor-parallel rank that applies the same calls holds the same block ids;
+- `history` chains every decision (blocks handed to a sequence, hits, blocks freed) into 16
+  bytes: two managers that made the same decisions from an empty pool have the same history,
+  and once they differ they never agree again (how ranks check each other, at O(1) a step).
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # key -> block
         self._keyed: dict[int, tuple[int, bytes]] = {}  # seq -> (keyed blocks, last key)
         self.num_cached_free = 0  # keyed blocks with ref count 0
+        self.history = b""  # chain of decisions (module docstring)
+
+    def _note(self, *values: int) -> None:
+        self.history = hashlib.blake2b(self.history + array("q", values).tobytes(),
+                                       digest_size=16).digest()
 
     @property
     def num_free(self) -> int:
@@ -98,6 +106,8 @@ class BlockManager:
             table.append(block)
             key, n = next_key, n + 1
         self._keyed[seq] = (n, key)
+        if n:
+            self._note(3, seq, *table)
         return n * self.block_size
 
     def commit(self, seq: int, tokens: list[int]) -> None:
@@ -138,11 +148,15 @@ class BlockManager:
                 self.num_cached_free -= 1
             self.ref_counts[block] = 1
             table.append(block)
+        if need:
+            self._note(1, seq, *table[-need:])
 
     def truncate(self, seq: int, num_tokens: int) -> None:
         """Keep the blocks holding tokens 0..num_tokens-1; free the ones wholly past them."""
         table = self.tables[seq]
         keep = self.blocks_for(num_tokens)
+        if len(table) > keep:
+            self._note(2, seq, *table[keep:])
         while len(table) > keep:
             self._release(table.pop())
         done, _key = self._keyed[seq]
@@ -166,6 +180,7 @@ class BlockManager:
         return blocks, key
 
     def remove(self, seq: int) -> None:
+        self._note(4, seq, *self.tables[seq])
         for block in reversed(self.tables.pop(seq)):
             self._release(block)
         del self._keyed[seq]

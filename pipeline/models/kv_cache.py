@@ -22,6 +22,8 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import hashlib
+from array import array
 
 import torch
 
@@ -97,6 +99,14 @@ class KVCache:
 
     def table(self, slot: int) -> list[int]:
         return self.blocks.tables[slot]
+
+    def digest(self) -> bytes:
+        """16 bytes naming the pool's state: the block manager's decision history (every block
+        handed out, hit or freed, in order) and its free counts. O(1): tensor-parallel ranks
+        compare it every step (pipeline.verify.ranks); equal calls give equal digests, and
+        ranks that ever decided differently never match again."""
+        free = array("q", (self.blocks.num_free, self.blocks.num_cached_free)).tobytes()
+        return hashlib.blake2b(self.blocks.history + free, digest_size=16).digest()
 
     def reserve(self, slots: list[int], num_tokens: list[int]) -> None:
         """Grow each slot's table to hold its `num_tokens`; all or nothing (CacheFullError)."""

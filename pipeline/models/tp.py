@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.errors import KVDivergenceError
 from pipeline.models.config import ModelConfig
 from pipeline.models.llama import LlamaModel
 
@@ -100,3 +101,22 @@ def apply_tp(model: LlamaModel, rank: int, world_size: int,
             mlp.register_forward_hook(_all_reduce_hook(group))
     model.tp_rank, model.tp_size = rank, world_size
     return model
+
+
+def check_ranks_agree(digest: bytes, what: str, group: dist.ProcessGroup | None = None) -> None:
+    """A collective (every rank calls it in lockstep): each rank's 16-byte `digest` of `what`
+    is gathered; KVDivergenceError on every rank, naming the ranks, when they differ. The
+    verifier calls it before a forward whose shapes depend on per-rank state (prefix-cache
+    hits), so diverged ranks fail with a clear error instead of a mismatched all_reduce."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.frombuffer(bytearray(digest[:16].ljust(16, b"\0")), dtype=torch.int64)
+    mine = mine.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    values = [tuple(g.tolist()) for g in gathered]
+    if len(set(values)) > 1:
+        groups: dict[tuple, list[int]] = {}
+        for rank, v in enumerate(values):
+            groups.setdefault(v, []).append(rank)
+        raise KVDivergenceError(f"tensor-parallel ranks disagree on {what}: ranks "
+                                f"{' vs '.join(map(str, groups.values()))} hold different state")

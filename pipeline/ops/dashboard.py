@@ -138,6 +138,18 @@ ENGINE = (
     Panel("Engine steps", "Engine steps per second, and steps dropped after a finish.",
           ((rate("specrelay_engine_steps_total"), "steps"),
            (rate("specrelay_spec_dropped_steps_total"), "dropped steps"))),
+    Panel("KV cache usage",
+          "Share of the KV block pool the running requests hold, per server (cached prefix "
+          "blocks nobody holds are reusable and not counted).",
+          (("specrelay_kv_cache_usage_perc", "{{instance}}"),), unit="percentunit", max=1),
+    Panel("Prefix cache hit rate",
+          "Prompt tokens whose KV came from the prefix cache / prompt tokens looked up.",
+          (((f"{rate('specrelay_prefix_cache_hits_total')} / "
+            f"{rate('specrelay_prefix_cache_queries_total')}"), "hit rate"),),
+          unit="percentunit", max=1),
+    Panel("Preemptions",
+          "Requests preempted per second because the KV pool ran out (each is recomputed).",
+          ((rate("specrelay_num_preemptions_total"), "preemptions"),), unit="reqps"),
 )
 
 ROWS = (("Speculation", SPECULATION), ("Serving", SERVING), ("Replica / engine", ENGINE))

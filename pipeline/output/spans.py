@@ -22,6 +22,9 @@ Span and attribute names are DESIGN's. Added here (documented for `specrelay tra
   `spec.control.cost.{base_s,per_row_s,per_draft_s,per_verify_s}` (the step-cost model),
   `spec.control.step_s` (predicted seconds of the step), `spec.control.floor` (gain a verify row
   must bring to pay) and `spec.control.rate` (the plan's expected tokens per second).
+- On `spec.request`, `request.cached_tokens`: prompt tokens whose KV came from the prefix cache
+  at the request's first prefill (the step message's optional `ch` column; absent when the
+  request never reached a step).
 - `finish.matched` is always a string: the stop string itself, or a stop token id in decimal.
   `finish.matched_kind` says which ("string" or "token_id") so a reader can give back the exact
   `matched_stop`. Both are omitted when nothing was matched (length, abort).
@@ -60,6 +63,7 @@ class _Live:
 
     span: OpenSpan | None  # None when tracing is off
     prompt_tokens: int
+    cached_tokens: int | None = None  # from its first prefill step's `cached` column
 
 
 def matched_attributes(matched: int | str | None) -> dict[str, Any]:
@@ -152,6 +156,8 @@ class TracedOutputProcessor:
         except Exception as e:  # inner changed nothing; neither do we
             self.spans.end(span, {"spec.step": cols.step}, error=e)
             raise
+        if cols.cached is not None:  # a step that prefills: its requests' cache hits
+            self._note_cached(rids, cols.cached.tolist())
         finished = [out for out in outs if out.finished]
         if not recording:
             for out in finished:
@@ -181,6 +187,13 @@ class TracedOutputProcessor:
         }
         self.spans.end(span, attrs, events, links)
         return outs
+
+    def _note_cached(self, rids: list[str], cached: list[int]) -> None:
+        # A request's first step is its prefill: keep that one (not a preempted one's rerun).
+        for rid, n in zip(rids, cached):
+            live = self._live.get(rid)
+            if live is not None and live.cached_tokens is None:
+                live.cached_tokens = n
 
     def _end_finished(self, out: RequestOutput, step: int, kept: int = 0) -> dict[str, Any]:
         """End the span of a request `step` finished; returns its `spec.finish` event attributes
@@ -212,6 +225,8 @@ class TracedOutputProcessor:
         if self._links.pop(rid, None) is None or live is None:  # not recorded
             return
         head = {"request.id": rid, "request.prompt_tokens": live.prompt_tokens}
+        if live.cached_tokens is not None:
+            head["request.cached_tokens"] = live.cached_tokens
         self.spans.end(live.span, {**head, **attrs})
 
     def __getattr__(self, name: str) -> Any:

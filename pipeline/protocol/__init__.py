@@ -6,6 +6,7 @@ every stage may import the protocol, the protocol imports no stage."""
 from pipeline.protocol.messages import (
     NewRequest,
     Proposal,
+    RankReport,
     StepOutcome,
     StepPlan,
     draft_room,
@@ -15,15 +16,18 @@ from pipeline.protocol.step_codec import (
     OUTCOME_VERSION,
     PLAN_VERSION,
     PROPOSAL_VERSION,
+    RANK_REPORT_VERSION,
     SAMPLING_FIELDS,
     decode_new_request,
     decode_outcome,
     decode_plan,
     decode_proposal,
+    decode_rank_report,
     encode_new_request,
     encode_outcome,
     encode_plan,
     encode_proposal,
+    encode_rank_report,
 )
 from pipeline.protocol.verify_step import (
     _KEYS,
@@ -49,9 +53,10 @@ from pipeline.protocol.wire import (
 __all__ = [
     "MAX_BATCH", "MAX_DRAFTED", "MAX_PAYLOAD_BYTES", "MAX_RID_CHARS", "MAX_TOP_N",
     "NEW_REQUEST_VERSION", "OUTCOME_VERSION", "PLAN_VERSION", "PROPOSAL_VERSION",
-    "PROTOCOL_VERSION", "SAMPLING_FIELDS", "_KEYS", "NewRequest", "Proposal", "ProtocolError",
+    "PROTOCOL_VERSION", "RANK_REPORT_VERSION", "SAMPLING_FIELDS", "_KEYS", "NewRequest",
+    "Proposal", "ProtocolError", "RankReport",
     "StepColumns", "StepOutcome", "StepPlan", "VerifyStep", "columns_from_step", "decode",
     "decode_columns", "decode_new_request", "decode_outcome", "decode_plan", "decode_proposal",
-    "draft_room", "encode", "encode_columns", "encode_new_request", "encode_outcome",
-    "encode_plan", "encode_proposal", "validate_columns",
+    "decode_rank_report", "draft_room", "encode", "encode_columns", "encode_new_request",
+    "encode_outcome", "encode_plan", "encode_proposal", "encode_rank_report", "validate_columns",
 ]

@@ -5,6 +5,7 @@ output), declared together:
     StepPlan     engine -> draft worker and every verifier rank
     Proposal     draft worker -> verifier ranks
     StepOutcome  verifier rank 0 -> engine (the full VerifyStep goes to the output stage)
+    RankReport   every other verifier rank -> engine (its KV digest, checked against rank 0's)
 
 In one process they pass as these objects; between processes each is versioned msgpack
 (pipeline.protocol.step_codec), like the VerifyStep (pipeline.protocol.verify_step).
@@ -116,3 +117,15 @@ class StepOutcome:
     decode_s: float | None = None
     # per prefill (plan.new order): prompt tokens whose KV came from the prefix cache
     cached: list[int] = field(default_factory=list)
+    # rank 0's KV digest after the step (pipeline.models.kv_cache.KVCache.digest); b"": none
+    kv_digest: bytes = b""
+
+
+@dataclass
+class RankReport:
+    """A tensor-parallel rank other than 0 after a step: its KV digest, which must equal rank
+    0's (pipeline.verify.ranks.check_rank_reports)."""
+
+    step: int
+    rank: int
+    kv_digest: bytes

@@ -14,7 +14,8 @@ every message into dicts, lists, strings, numbers and bytes. Wire layouts (B req
               request has q), pv int vocab, pq nil | bin f32[sum n of flagged * pv],
               cf nil | bin f64[sum n] confidence, s float seconds
     outcome   step int, rids [rid], len bin i32[B], tok bin i32[sum len], draft bin i32[B],
-              exp nil | [float|nil] (B), ds float|nil
+              exp nil | [float|nil] (B), ds float|nil, cached bin i32[P], kvd bin (KV digest)
+    rank      step int, rank int, kvd bin (a verifier rank > 0 after a step)
 
 Decoders check everything before building anything: ProtocolError names the first broken rule.
 """
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.params import SamplingParams
-from pipeline.protocol.messages import NewRequest, Proposal, StepOutcome, StepPlan
+from pipeline.protocol.messages import NewRequest, Proposal, RankReport, StepOutcome, StepPlan
 from pipeline.protocol.wire import (
     F32,
     F64,
@@ -54,7 +55,9 @@ from pipeline.protocol.wire import (
 NEW_REQUEST_VERSION = 1
 PLAN_VERSION = 1
 PROPOSAL_VERSION = 1
-OUTCOME_VERSION = 1
+OUTCOME_VERSION = 2  # 2: kvd (rank 0's KV digest)
+RANK_REPORT_VERSION = 1
+MAX_DIGEST_BYTES = 64
 MAX_PROPOSAL_BYTES = (1 << 31) - 1  # draft probabilities: B * k * vocab float32
 MAX_GRAMMAR_CHARS = 16 << 20  # a compiled grammar's text
 # The SamplingParams fields on the wire, in order: adding a field to SamplingParams changes the
@@ -71,7 +74,8 @@ _PLAN_KEYS = frozenset({"v", "m", "step", "rel", "new", "dec", "last", "kv", "no
                         "caps", "gain", "com", "fin", "tp"})
 _PROPOSAL_KEYS = frozenset({"v", "m", "n", "tok", "pm", "pv", "pq", "cf", "s"})
 _OUTCOME_KEYS = frozenset({"v", "m", "step", "rids", "len", "tok", "draft", "exp", "ds",
-                           "cached"})
+                           "cached", "kvd"})
+_RANK_KEYS = frozenset({"v", "m", "step", "rank", "kvd"})
 
 
 # --- new request ------------------------------------------------------------------------------
@@ -276,6 +280,7 @@ def encode_outcome(o: StepOutcome) -> bytes:
                                                 for e in o.expected],
         "ds": o.decode_s,
         "cached": to_bin(o.cached, I32, "cached"),
+        "kvd": bytes(o.kv_digest),
     })
 
 
@@ -306,5 +311,25 @@ def decode_outcome(payload: Any) -> StepOutcome:
         expected=expected,
         decode_s=None if ds is None else want_float(ds, "outcome.ds", 0.0),
         cached=int_list(msg["cached"], None, "outcome.cached"),
+        kv_digest=_digest(msg["kvd"], "outcome.kvd"),
     )
 
+
+def _digest(raw: Any, what: str) -> bytes:
+    if type(raw) is not bytes or len(raw) > MAX_DIGEST_BYTES:
+        raise ProtocolError(f"{what} must be a bin of at most {MAX_DIGEST_BYTES} bytes")
+    return raw
+
+
+# --- rank report -------------------------------------------------------------------------------
+def encode_rank_report(r: RankReport) -> bytes:
+    return pack({"v": RANK_REPORT_VERSION, "m": "rank", "step": r.step, "rank": r.rank,
+                 "kvd": bytes(r.kv_digest)})
+
+
+def decode_rank_report(payload: Any) -> RankReport:
+    msg = unpack(payload)
+    check_header(msg, "rank", RANK_REPORT_VERSION, _RANK_KEYS)
+    return RankReport(step=want_int(msg["step"], "rank.step", 0, 1 << 62),
+                      rank=want_int(msg["rank"], "rank.rank", 1, 1 << 16),
+                      kv_digest=_digest(msg["kvd"], "rank.kvd"))

@@ -14,6 +14,8 @@ batch costs a handful of buffer copies instead of one Python object per token):
     tid   bin int32[M], tlp bin f64[M]     top-N (id, logprob) of each token, M = sum(len * tn)
     tp    str | nil    W3C traceparent of the step's span
     t     float        unix time verification finished
+    ch    bin int32[B]   optional: per request, prompt tokens whose KV came from the prefix cache
+                       (its prefill row; 0 on verify rows); sent on steps that prefill
 
 `decode` checks everything before anything is built, so a bad payload raises ProtocolError and
 nothing downstream is half-applied. No pickle anywhere.
@@ -77,6 +79,7 @@ class StepColumns:
     top_logprobs: np.ndarray | None = None  # float64 [M]
     traceparent: str | None = None
     time: float = 0.0
+    cached: np.ndarray | None = None  # int64 [B], optional (`ch`): prefix-cache hits per row
 
     def __post_init__(self) -> None:
         self.offsets = np.zeros(len(self.rids) + 1, dtype=np.int64)
@@ -206,6 +209,8 @@ def encode_columns(cols: StepColumns) -> bytes:
         "tp": cols.traceparent,
         "t": float(cols.time),
     }
+    if cols.cached is not None:
+        msg["ch"] = cols.cached.astype(_I32).tobytes()
     return msgpack.packb(msg, use_bin_type=True)
 
 
@@ -215,7 +220,7 @@ def decode_columns(payload: bytes) -> StepColumns:
     v = msg.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:  # True == 1 and 1.0 == 1: not versions
         raise ProtocolError(f"unsupported protocol version {v!r}")
-    if set(msg) != _KEYS:
+    if set(msg) - {"ch"} != _KEYS:
         raise ProtocolError(f"message keys {sorted(map(str, msg))} != {sorted(_KEYS)}")
     rids = msg["rids"]
     if not isinstance(rids, list):
@@ -246,6 +251,7 @@ def decode_columns(payload: bytes) -> StepColumns:
         top_logprobs=None if top_n is None else _from_bin(msg["tlp"], _F64, n_top, "tlp"),
         traceparent=msg["tp"],
         time=msg["t"],
+        cached=_from_bin(msg["ch"], _I32, b, "ch") if "ch" in msg else None,
     )
     validate_columns(cols)
     return cols
@@ -305,6 +311,9 @@ def validate_columns(cols: StepColumns) -> None:
             raise ProtocolError("top logprob ids must be non-negative int32")
         if not bool(np.isfinite(cols.top_logprobs).all()):
             raise ProtocolError("top logprobs must be finite")
+    if cols.cached is not None and (cols.cached.shape != (b,) or
+                                    (b and int(cols.cached.min()) < 0)):
+        raise ProtocolError("ch (cached tokens) must be one non-negative count per request")
     tp = cols.traceparent
     if tp is not None and (not isinstance(tp, str) or not _TRACEPARENT.match(tp)):
         raise ProtocolError(f"bad traceparent {tp!r}")

@@ -4,12 +4,15 @@ Every tensor-parallel rank runs `Verifier.step` with the same plan in lockstep (
 collectives pair up); only the driver rank (rank 0) runs acceptance and encodes the message.
 KV commit is lazy and identical on every rank: a verify appends [last token + drafts], and the
 next plan's `kv_lens` truncates each slot back to prefix + accepted tokens before the forward,
-so ranks never need to exchange acceptance results.
+so ranks never need to exchange acceptance results. Block decisions are not exchanged either
+(each rank's block manager is deterministic); `agree` and the step's KV digest
+(pipeline.verify.ranks) make any divergence between ranks fail loudly instead.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -17,17 +20,29 @@ import torch
 from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runner import ModelRunner
 from pipeline.params import SamplingParams
-from pipeline.protocol import Proposal, StepColumns, StepOutcome, StepPlan, encode_columns
+from pipeline.protocol import (
+    Proposal,
+    RankReport,
+    StepColumns,
+    StepOutcome,
+    StepPlan,
+    encode_columns,
+)
 from pipeline.sampling import SamplingTensors
 from pipeline.verify.acceptance import AcceptanceResult, accept, accept_greedy_packed
 
 
 class Verifier:
     def __init__(self, runner: ModelRunner, driver: bool = True,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None,
+                 agree: Callable[[bytes, str], None] | None = None) -> None:
+        """`agree(digest, what)`: under tensor parallelism, a collective that raises on every
+        rank when the ranks' digests differ (pipeline.models.tp.check_ranks_agree)."""
         self.runner = runner
         self.driver = driver
         self.generator = generator
+        self.agree = agree
+        self.kv_digest = b""  # after the last step (RankReport / StepOutcome.kv_digest)
         self._slots: dict[str, int] = {}
         self._params: dict[str, SamplingParams] = {}
         # The driver's grammar matchers mask the logits of constrained requests (the tokenizer
@@ -51,12 +66,17 @@ class Verifier:
             slot = self._slots[new.rid] = self.runner.allocate()
             self._params[new.rid] = new.params
             cached.append(self.runner.attach_prefix(slot, new.prompt_ids))
+        if plan.new and self.agree is not None:  # the hits set this forward's shapes
+            self.agree(self.runner.cache.digest(), f"step {plan.step}'s prefix-cache hits")
         if self.driver:
             self.grammars.apply(plan)
         if not plan.rids:  # a release-only plan
-            return StepOutcome(plan.step, [], [], []) if self.driver else None
+            self.kv_digest = self.runner.cache.digest()
+            return StepOutcome(plan.step, [], [], [], kv_digest=self.kv_digest) \
+                if self.driver else None
         drafts = self._drafts(plan, proposal)
         logits, decode_s = self._forward(plan, drafts, cached)
+        self.kv_digest = self.runner.cache.digest()
         if not self.driver:
             return None
         start = time.perf_counter()
@@ -67,8 +87,8 @@ class Verifier:
         allowed = self.grammars.masks(plan.rids, all_drafts,
                                       max(len(d) for d in all_drafts) + 1, logits[0].shape[-1])
         result = _accept(logits, all_drafts, params, positions, q, self.generator, allowed)
-        outcome = _outcome(plan, result, all_drafts, params)
-        outcome.cached = cached
+        outcome = _outcome(plan, result, all_drafts, params, cached)
+        outcome.kv_digest = self.kv_digest
         if proposal is not None and proposal.confidence is not None:
             outcome.expected = [None] * len(plan.new) + [
                 float(sum(c[: len(d)])) for c, d in zip(proposal.confidence, drafts)]
@@ -77,6 +97,10 @@ class Verifier:
             outcome.decode_s = (decode_s + time.perf_counter() - start
                                 + (proposal.seconds if proposal is not None else 0.0))
         return outcome
+
+    def report(self, step: int, rank: int) -> RankReport:
+        """What a rank other than the driver sends back after `step`."""
+        return RankReport(step, rank, self.kv_digest)
 
     def _drafts(self, plan: StepPlan, proposal: Proposal | None) -> list[list[int]]:
         """Drafts per decode rid, at most the plan's bound and never past the slot's max_len."""
@@ -151,7 +175,7 @@ def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[Sa
 
 
 def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],
-             params: list[SamplingParams]) -> StepOutcome:
+             params: list[SamplingParams], cached: list[int]) -> StepOutcome:
     lengths = result.num_tokens.cpu().numpy().astype(np.int64)
     keep = np.arange(result.token_ids.shape[1])[None, :] < lengths[:, None]
     tokens = result.token_ids.cpu().numpy()[keep].astype(np.int64)
@@ -172,7 +196,10 @@ def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],
         logprobs=result.logprobs.cpu().numpy()[keep].astype(np.float64),
         top_n=top_n, top_ids=top_ids, top_logprobs=top_lps,
         traceparent=plan.traceparent, time=time.time(),
+        # a step that prefills tells the output stage what the prefix cache served (its spans)
+        cached=np.array(cached + [0] * len(plan.decode), dtype=np.int64) if plan.new else None,
     )
     token_lists = [t.tolist() for t in np.split(tokens, np.cumsum(lengths)[:-1])]
     return StepOutcome(step=plan.step, rids=plan.rids, tokens=token_lists,
-                       drafted=[len(d) for d in drafts], payload=encode_columns(cols))
+                       drafted=[len(d) for d in drafts], payload=encode_columns(cols),
+                       cached=cached)
