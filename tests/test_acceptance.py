@@ -4,13 +4,24 @@ seeded determinism, logprobs."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference_decode import chi2_pvalue
+from support.acceptance_cases import (
+    CASES,
+    Q_FAR,
+    Q_NEAR,
+    Case,
+    N,
+    P,
+    V,
+    logits_of,
+    lossless_pvalues,
+    make_batch,
+)
+from support.reference_decode import chi2_pvalue
 
 from pipeline.params import SamplingParams
 from pipeline.sampling import (
@@ -208,84 +219,9 @@ def test_all_zero_residual_falls_back_to_p():
 
 # -- losslessness: distribution of generated tokens vs the target's processed distribution -----
 
-V = 6
-P = [
-    [0.30, 0.25, 0.20, 0.15, 0.07, 0.03],
-    [0.05, 0.10, 0.40, 0.25, 0.10, 0.10],
-    [0.20, 0.05, 0.05, 0.30, 0.10, 0.30],
-]
-Q_NEAR = [[0.25, 0.30, 0.15, 0.20, 0.05, 0.05], [0.10, 0.10, 0.30, 0.30, 0.10, 0.10]]
-Q_FAR = [[0.01, 0.02, 0.02, 0.05, 0.40, 0.50], [0.60, 0.0, 0.0, 0.0, 0.0, 0.40]]
-N = 40_000
-
-
-@dataclass
-class Case:
-    target: list[list[float]]  # [3, V] probabilities; logits are their logs
-    draft: list[list[float]] | None  # [2, V] draft distribution, None = n-gram point mass
-    ngram_drafts: tuple[int, int] = (1, 4)
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-
-
-CASES = {
-    "q_near": Case(P, Q_NEAR),
-    "q_far": Case(P, Q_FAR),
-    "point_mass": Case(P, None),
-    "point_mass_unlikely_draft": Case(P, None, ngram_drafts=(4, 0)),
-    "top_k_top_p_model_draft": Case(P, Q_NEAR, temperature=0.7, top_k=4, top_p=0.9),
-    "top_k_top_p_point_mass": Case(
-        P, None, ngram_drafts=(3, 2), temperature=1.3, top_k=5, top_p=0.85
-    ),
-}
-
-
-def _log(probs: list[list[float]]) -> torch.Tensor:  # [n, V] logits, -inf where probability 0
-    return torch.tensor(probs, dtype=torch.float64).log().float()
-
-
-def _make_batch(case: Case, gen: torch.Generator):
-    """N rows of one case: raw target logits [N, 3, V], processed p [3, V], draft probs
-    [N, 2, V] | None, drafts [N, 2], num_drafts [N] cycling 0, 1, 2, 2."""
-    sampling = SamplingTensors.from_params(
-        [SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p)] * 3
-    )
-    p = process_logits(_log(case.target), sampling.temperature, sampling.top_k, sampling.top_p)
-    if case.draft is None:
-        q = None
-        drafts = torch.tensor(case.ngram_drafts).expand(N, -1)
-    else:
-        # the draft model applies the same temperature / top-k / top-p to its own logits
-        q = process_logits(
-            _log(case.draft), sampling.temperature[:2], sampling.top_k[:2], sampling.top_p[:2]
-        )
-        drafts = torch.stack(
-            [torch.multinomial(q[j], N, replacement=True, generator=gen) for j in range(2)], 1
-        )
-        q = q.expand(N, -1, -1)
-    num_drafts = (torch.arange(N) % 4).clamp(max=2)
-    return _log(case.target).expand(N, -1, -1), p, q, drafts, num_drafts
-
-
-def lossless_pvalues(
-    tokens: torch.Tensor,  # [N, 3]
-    num_tokens: torch.Tensor,  # [N]
-    p: torch.Tensor,  # [3, V] processed target distributions
-) -> list[float]:
-    """p-values of: the first token ~ p[0]; the second token, where the first was an accepted
-    draft, ~ p[1]; the third ~ p[2] (positions with fewer than 1000 samples are skipped)."""
-    out = []
-    for j in range(3):
-        rows = num_tokens > j
-        if int(rows.sum()) >= 1000:
-            out.append(chi2_pvalue(torch.bincount(tokens[rows, j], minlength=V), p[j]))
-    return out
-
-
 def run_accept(case: Case, seed: int = 0) -> tuple[list[float], torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    logits, p, q, drafts, num_drafts = _make_batch(case, gen)
+    logits, p, q, drafts, num_drafts = make_batch(case, gen)
     params = SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p)
     sampling = SamplingTensors.from_params([params] * N)
     res = accept(drafts, num_drafts, logits, sampling, [0] * N, q, generator=gen)
@@ -335,7 +271,7 @@ def test_seeded_rows_are_lossless_too():
         [SamplingParams(temperature=1.0, seed=s) for s in range(n)]
     )
     res = accept(
-        drafts, torch.ones(n, dtype=torch.int64), _log(P[:2]).expand(n, -1, -1), sampling,
+        drafts, torch.ones(n, dtype=torch.int64), logits_of(P[:2]).expand(n, -1, -1), sampling,
         [3] * n, q.expand(n, 1, -1),
     )  # fmt: skip
     counts = torch.bincount(res.token_ids[:, 0], minlength=V)
@@ -374,7 +310,7 @@ def _wrong_rule(drafts, num_drafts, p, q, u_acc, u_samp, variant: str):
 
 def run_rule(case: Case, variant: str, seed: int = 0) -> list[float]:
     gen = torch.Generator().manual_seed(seed)
-    _, p, q, drafts, num_drafts = _make_batch(case, gen)
+    _, p, q, drafts, num_drafts = make_batch(case, gen)
     u_acc, u_samp = torch.rand(N, 2, generator=gen), torch.rand(N, V, generator=gen)
     tokens, num = _wrong_rule(drafts, num_drafts, p.expand(N, -1, -1), q, u_acc, u_samp, variant)
     return lossless_pvalues(tokens, num, p)
@@ -458,14 +394,14 @@ def _seeded_case_run(case: Case, n: int = 20_000, coupled: bool = False):
     draft model does) or from an unrelated generator. Returns (tokens, num_tokens, p, drafts)."""
     params = SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p)
     sampling = SamplingTensors.from_params([params] * 3)
-    p = process_logits(_log(case.target), sampling.temperature, sampling.top_k, sampling.top_p)
+    p = process_logits(logits_of(case.target), sampling.temperature, sampling.top_k, sampling.top_p)
     num_drafts = (torch.arange(n) % 4).clamp(max=2)
     q = None
     if case.draft is None:
         drafts = torch.tensor(case.ngram_drafts).expand(n, -1)
     else:
         q = process_logits(
-            _log(case.draft), sampling.temperature[:2], sampling.top_k[:2], sampling.top_p[:2]
+            logits_of(case.draft), sampling.temperature[:2], sampling.top_k[:2], sampling.top_p[:2]
         )
         if coupled:
             noise = torch.stack([position_uniforms(s, 3, 2, V) for s in range(n)])  # [n, 2, V]
@@ -480,7 +416,7 @@ def _seeded_case_run(case: Case, n: int = 20_000, coupled: bool = False):
     seeded = SamplingTensors.from_params(
         [SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
                         seed=s) for s in range(n)])
-    res = accept(drafts, num_drafts, _log(case.target).expand(n, -1, -1), seeded, [3] * n, q)
+    res = accept(drafts, num_drafts, logits_of(case.target).expand(n, -1, -1), seeded, [3] * n, q)
     return res.token_ids, res.num_tokens, p, drafts
 
 

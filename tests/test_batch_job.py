@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serve_helpers import ROOT, ray_cli_env, ray_node_ports
+from support.serve_helpers import ROOT, ray_cli_env, ray_node_ports
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

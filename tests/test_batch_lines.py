@@ -8,8 +8,8 @@ import json
 import os
 import sys
 
-from serve_helpers import ROOT
-from server_fakes import FakeEngine
+from support.serve_helpers import ROOT
+from support.server_fakes import FakeEngine
 
 from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.models.runners import tiny_tokenizer

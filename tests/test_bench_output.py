@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from serve_helpers import ROOT
+from support.serve_helpers import ROOT
 
 SMALL = ["--requests", "8", "--steps", "3", "--repeats", "2", "--skip-scaling"]
 

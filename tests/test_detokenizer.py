@@ -3,7 +3,15 @@ hold-back, bounded decode windows)."""
 
 from __future__ import annotations
 
-from output_support import EOS, PLAIN_ADDED, STOP, byte_id, piece_id, text_ids, tiny_tokenizer
+from support.output_support import (
+    EOS,
+    PLAIN_ADDED,
+    STOP,
+    byte_id,
+    piece_id,
+    text_ids,
+    tiny_tokenizer,
+)
 
 from pipeline.output.detokenizer import Detokenizer
 from pipeline.output.processor import OutputProcessor

@@ -10,7 +10,8 @@ import asyncio
 import time
 
 import pytest
-from reference_decode import greedy_reference
+from support.engine_cases import PROMPTS, expected_cut, ids, mixed_requests
+from support.reference_decode import greedy_reference
 
 from actors.engine import start_engine, stop_engine
 from actors.engine_client import EngineClient
@@ -18,7 +19,6 @@ from pipeline.config import load_config
 from pipeline.errors import EngineDeadError
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
-from tests.test_engine import PROMPTS, expected_cut, ids, mixed_requests
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

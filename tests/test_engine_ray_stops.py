@@ -13,15 +13,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from reference_decode import greedy_reference
+from support.engine_cases import LOSSY_PROMPT, ids  # n-gram drafts of LOSSY_PROMPT get rejected
+from support.reference_decode import greedy_reference
 
 from actors.engine import start_engine, stop_engine
 from actors.engine_client import EngineClient
 from pipeline.config import load_config
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
-from tests.test_engine import ids
-from tests.test_spec_lossless import PROMPT as LOSSY_PROMPT  # n-gram drafts of it get rejected
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

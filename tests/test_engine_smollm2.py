@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from reference_decode import greedy_reference
+from support.reference_decode import greedy_reference
 
 from pipeline.config import load_config
 from pipeline.engine.local import build_local_engine, collect

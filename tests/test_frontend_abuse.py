@@ -20,7 +20,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_fakes import ByteTok, FakeEngine
+from support.server_fakes import ByteTok, FakeEngine, call, check_openai_error
 
 from pipeline.errors import EngineDeadError
 from pipeline.frontend.app import ServerSettings, create_app
@@ -41,24 +41,6 @@ LEAKS = ("actor_id", "pid", "10.1.2.3", "namespace", "\x1b", "\\u001b", "OOM", "
 
 def app_for(engine: Any = None, **settings_kw: Any) -> Any:
     return create_app(engine or FakeEngine(), ByteTok(), ServerSettings(**settings_kw))
-
-
-async def call(app: Any, method: str, path: str, body: Any = None,
-               headers: list[tuple[str, str]] | None = None) -> httpx.Response:
-    content = None if body is None else json.dumps(body).encode()  # ensure_ascii: any str
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
-        hdrs = [("content-type", "application/json"), *(headers or [])]
-        return await c.request(method, path, content=content, headers=hdrs)
-
-
-def check_openai_error(r: httpx.Response) -> dict[str, Any]:
-    assert r.headers["content-type"].startswith("application/json"), r.text[:200]
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    assert err["param"] is None or isinstance(err["param"], str)
-    return err
 
 
 # --------------------------------------------------------------------------- the string fuzz

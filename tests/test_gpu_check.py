@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flash_wheel
 import pytest
+from support import flash_wheel
 
 import pipeline.models.runner as runner_mod
 

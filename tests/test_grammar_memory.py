@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import sys
 
 import llguidance
 import pytest
@@ -81,9 +80,7 @@ def test_a_grammar_alone_over_the_budget_is_refused_up_front(monkeypatch):
 
 
 def test_over_http_a_grammar_over_the_budget_is_a_400(monkeypatch):
-    sys.path.insert(0, "tests")
-    from server_fakes import FakeEngine
-    from test_frontend_abuse import call, check_openai_error
+    from support.server_fakes import FakeEngine, call, check_openai_error
 
     from pipeline.frontend.app import create_app
     from pipeline.frontend.settings import ServerSettings

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_helm import REPO, crd_errors, env_of, one, pod_specs, ray_container, render
+from support.helm_chart import REPO, crd_errors, env_of, one, pod_specs, ray_container, render
 
 from actors.serve_app import replica_config
 from pipeline.config import EngineConfig
@@ -201,7 +201,7 @@ def test_placement_values_become_the_config_placement():
 
 
 def test_strict_pack_wider_than_a_worker_fails_to_render():
-    from test_helm import CHART, RELEASE, helm
+    from support.helm_chart import CHART, RELEASE, helm
 
     out = helm("template", RELEASE, str(CHART), "--set", "specrelay.tensorParallelSize=2",
                "--set", "worker.replicas=2", "--set",

@@ -7,12 +7,12 @@ from __future__ import annotations
 import random
 import sys
 
-import flash_wheel
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import flash_wheel
 
 import pipeline.models.runner as runner_mod
 from pipeline.models import attention

@@ -1,6 +1,6 @@
 """A real multi-node Ray cluster on this machine: `ray start --head` plus two `ray start --address`
 worker nodes, each with its own custom resources, and an engine placed across them by the config's
-`placement:` section (tests/multinode_driver.py does the Ray side in its own process).
+`placement:` section (tests/support/multinode_driver.py does the Ray side in its own process).
 
 Checks: the draft, the two TP ranks (gloo) and the output actor land on the nodes the placement
 asks for; greedy output equals target-only; one trace holds spans written on two nodes; SIGKILL of
@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from serve_helpers import ROOT, free_port, ray_cli_env, ray_node_ports
+from support.serve_helpers import ROOT, free_port, ray_cli_env, ray_node_ports
 
 from pipeline.tracing.trace_file import read_spans
 
@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 BIN = os.path.dirname(sys.executable)
 RAY = os.path.join(BIN, "ray")
-DRIVER = os.path.join(ROOT, "tests", "multinode_driver.py")
+DRIVER = os.path.join(ROOT, "tests", "support", "multinode_driver.py")
 STEP_TIMEOUT_S = 10.0  # multinode_driver.STEP_TIMEOUT_S
 # In-flight requests must end within the step timeout plus this slack (docs/deploy.md).
 ERROR_SLACK_S = 10.0

@@ -20,8 +20,8 @@ import httpx
 import pytest
 import uvicorn
 import yaml
-from ops_support import binary
-from serve_helpers import free_port
+from support.ops_support import binary
+from support.serve_helpers import free_port
 
 from pipeline.config import load_config
 from pipeline.engine.core import EngineCore

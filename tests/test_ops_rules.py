@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ops_support import binary
+from support.ops_support import binary
 
 from pipeline.ops.__main__ import generated
 from pipeline.ops.alerts import ALERTS, rule_file

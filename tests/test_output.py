@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from output_support import (
+from support.output_support import (
     EOS,
     PLAIN_ADDED,
     STOP,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from output_support import (
+from support.output_support import (
     EOS,
     PIECES,
     PLAIN_ADDED,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_decode import greedy_reference
+from support.reference_decode import greedy_reference
 
 from pipeline.config import load_config
 from pipeline.draft.model import DraftModelProposer

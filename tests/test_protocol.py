@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from output_support import f64, i32
+from support.output_support import f64, i32
 
 from pipeline.protocol import (
     PROTOCOL_VERSION,

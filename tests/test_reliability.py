@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from reliability_support import completion, engine_stats, wait_slots_free
-from serve_helpers import app_fixture
-from test_security import BAD_REQUESTS, check_error, encode_body
+from support.hostile_requests import BAD_REQUESTS, check_error, encode_body
+from support.reliability_support import completion, engine_stats, wait_slots_free
+from support.serve_helpers import app_fixture
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

@@ -12,8 +12,8 @@ import json
 import httpx
 import pytest
 import yaml
-from server_fakes import ByteTok, FakeEngine
-from test_helm import pod_specs, ray_container, render_drain
+from support.helm_chart import pod_specs, ray_container, render_drain
+from support.server_fakes import ByteTok, FakeEngine
 
 from actors.serve_app import DRAIN_GRACE_S, SpecrelayServer, build_app
 from pipeline.frontend.app import ServerSettings, create_app
@@ -86,7 +86,7 @@ def test_helm_drain_period_is_serves_graceful_shutdown_and_the_prestop_sleep(gra
 
 
 def chart_values_path() -> str:
-    from test_helm import CHART
+    from support.helm_chart import CHART
 
     return str(CHART / "values.yaml")
 

@@ -14,8 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from reliability_support import HealthWatch, completion, engine_stats, stage_pids, wait_slots_free
-from serve_helpers import app_fixture
+from support.reliability_support import (
+    HealthWatch,
+    completion,
+    engine_stats,
+    stage_pids,
+    wait_slots_free,
+)
+from support.serve_helpers import app_fixture
 
 from pipeline.engine.stall import MIN_SAMPLES
 

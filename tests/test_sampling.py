@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from reference_decode import chi2_pvalue
+from support.reference_decode import chi2_pvalue
 
 from pipeline.params import SamplingParams
 from pipeline.sampling import (

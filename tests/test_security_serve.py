@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from serve_helpers import ROOT, serve_process
+from support.serve_helpers import ROOT, serve_process
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 

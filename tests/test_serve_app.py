@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import ROOT, metric, running_app
+from support.serve_helpers import ROOT, metric, running_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from serve_helpers import ROOT
+from support.serve_helpers import ROOT
 
 from actors.serve_app import engine_overrides, parse_args, resolve_config_path, server_settings
 

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import ROOT, serve_process
+from support.serve_helpers import ROOT, serve_process
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

@@ -7,7 +7,7 @@ import os
 
 import openai
 import pytest
-from serve_helpers import ROOT, running_app
+from support.serve_helpers import ROOT, running_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(400)]
 

@@ -11,7 +11,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_fakes import EOS, SCRIPT, ByteTok, FakeEngine, fake_logprob
+from support.server_fakes import EOS, SCRIPT, ByteTok, FakeEngine, fake_logprob
 
 from pipeline.frontend.app import ServerSettings, create_app
 

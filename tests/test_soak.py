@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from reliability_support import completion, deployment_rss, engine_stats, wait_slots_free
-from serve_helpers import app_fixture, metric
+from support.reliability_support import completion, deployment_rss, engine_stats, wait_slots_free
+from support.serve_helpers import app_fixture, metric
 
 SOAK_S = float(os.environ.get("SPECRELAY_SOAK_S", "120"))
 pytestmark = [pytest.mark.ray, pytest.mark.soak, pytest.mark.timeout(int(SOAK_S) + 300)]

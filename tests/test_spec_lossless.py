@@ -10,7 +10,8 @@ from typing import ClassVar
 
 import pytest
 import torch
-from reference_decode import chi2_pvalue, target_references
+from support.engine_cases import LOSSY_PROMPT
+from support.reference_decode import chi2_pvalue, target_references
 
 from pipeline.config import load_config
 from pipeline.engine.local import LocalStages, build_local_engine
@@ -22,7 +23,7 @@ from pipeline.verify import acceptance
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 CONFIG = "configs/tiny.yaml"
-PROMPT = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31, 32]  # n-gram drafts get rejected
+PROMPT = LOSSY_PROMPT
 TOK = tiny_tokenizer()
 
 

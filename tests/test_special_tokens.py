@@ -5,13 +5,9 @@ chat template's own markers stay special; a request field and a server setting a
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import pytest
-
-sys.path.insert(0, "tests")
-from server_fakes import FakeEngine
-from test_frontend_abuse import call, check_openai_error
+from support.server_fakes import FakeEngine, call, check_openai_error
 
 from pipeline.frontend.app import create_app
 from pipeline.frontend.settings import ServerSettings

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 
 import jsonschema
 import pytest
@@ -15,6 +14,8 @@ import torch
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support.acceptance_cases import CASES, N, V, logits_of, lossless_pvalues, make_batch
+from support.server_fakes import FakeEngine, call, check_openai_error
 
 from pipeline.config import load_config
 from pipeline.engine.local import build_local_engine, collect
@@ -164,8 +165,6 @@ def test_bad_or_unsatisfiable_grammars_are_value_errors_naming_them(kind, source
 
 
 def test_masked_rejection_sampling_is_lossless():
-    sys.path.insert(0, "tests")
-    from test_acceptance import CASES, N, V, _log, _make_batch, lossless_pvalues
 
     allowed = torch.ones(3, V, dtype=torch.bool)
     allowed[0, [0, 4]] = False  # the far draft's favourite tokens are disallowed
@@ -174,10 +173,10 @@ def test_masked_rejection_sampling_is_lossless():
     for name in ("q_far", "point_mass", "top_k_top_p_model_draft"):
         case = CASES[name]
         gen = torch.Generator().manual_seed(1)
-        logits, _, q, drafts, num_drafts = _make_batch(case, gen)
+        logits, _, q, drafts, num_drafts = make_batch(case, gen)
         sampling = SamplingTensors.from_params([SamplingParams(
             temperature=case.temperature, top_k=case.top_k, top_p=case.top_p)] * 3)
-        p = process_logits(_log(case.target).masked_fill(~allowed, float("-inf")),
+        p = process_logits(logits_of(case.target).masked_fill(~allowed, float("-inf")),
                            sampling.temperature, sampling.top_k, sampling.top_p)
         rows = SamplingTensors.from_params([SamplingParams(
             temperature=case.temperature, top_k=case.top_k, top_p=case.top_p)] * N)
@@ -217,9 +216,6 @@ BAD_BODIES = [
                          ids=[b[1] + "-" + b[2] for b in BAD_BODIES])
 def test_bad_structured_output_is_a_400_before_any_slot_and_the_server_stays_healthy(
         extra, param, needle):
-    sys.path.insert(0, "tests")
-    from server_fakes import FakeEngine
-    from test_frontend_abuse import call, check_openai_error
 
     from pipeline.frontend.app import create_app
     from pipeline.frontend.settings import ServerSettings
@@ -240,9 +236,6 @@ def test_bad_structured_output_is_a_400_before_any_slot_and_the_server_stays_hea
 
 
 def test_structured_output_parameters_reach_the_engine_as_a_compiled_grammar():
-    sys.path.insert(0, "tests")
-    from server_fakes import FakeEngine
-    from test_frontend_abuse import call
 
     from pipeline.frontend.app import create_app
     from pipeline.frontend.settings import ServerSettings
@@ -373,9 +366,6 @@ HTTP_HOSTILE = [({"guided_regex": "(ab){500000}"}, "guided_regex", "too many exp
 @pytest.mark.parametrize(("extra", "param", "needle"), HTTP_HOSTILE,
                          ids=["ab500000", "a1000000", "choice6000", "self-ref", "1200-optional"])
 def test_hostile_grammars_are_a_400_naming_the_limit_before_the_engine(extra, param, needle):
-    sys.path.insert(0, "tests")
-    from server_fakes import FakeEngine
-    from test_frontend_abuse import call, check_openai_error
 
     from pipeline.frontend.app import create_app
     from pipeline.frontend.settings import ServerSettings
@@ -394,8 +384,6 @@ def test_hostile_grammars_are_a_400_naming_the_limit_before_the_engine(extra, pa
 def grammar_error_engine():
     """A FakeEngine whose requests end as the output stage ends one whose grammar dead-ends:
     some output, then a finished delta with reason "error"."""
-    sys.path.insert(0, "tests")
-    from server_fakes import FakeEngine
 
     from pipeline.output.request_output import RequestOutput
 
@@ -413,8 +401,6 @@ def grammar_error_engine():
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_a_grammar_error_while_generating_is_an_error_body_never_a_stop_choice(path):
-    sys.path.insert(0, "tests")
-    from test_frontend_abuse import call, check_openai_error
 
     from pipeline.frontend.app import create_app
     from pipeline.frontend.settings import ServerSettings

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_decode import greedy_reference
+from support.reference_decode import greedy_reference
 
 from pipeline.config import load_config
 from pipeline.draft.base import Proposal

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_tracing_output import EOS, run_scenario, toks
+from support.trace_scenario import EOS, run_scenario, toks
 
 from pipeline.tracing.cli import main
 from pipeline.tracing.trace_file import JsonLinesSpanExporter

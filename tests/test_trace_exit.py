@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_helpers import ROOT, serve_process
+from support.serve_helpers import ROOT, serve_process
 
 from pipeline.tracing.trace_file import read_spans
 

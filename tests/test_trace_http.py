@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import ROOT, running_app
+from support.serve_helpers import ROOT, running_app
 
 from pipeline.tracing.trace_file import read_spans
 

@@ -1,8 +1,8 @@
-"""Driver of tests/test_multinode.py, run as its own process (a pytest process may already hold
+"""Driver of tests/e2e/test_multinode.py, run as its own process (a pytest process may already hold
 another Ray): joins the three-node cluster, starts an engine placed across the nodes, checks
 lossless output, then kills node B's raylet mid-generation and waits for the node to come back.
 
-    python tests/multinode_driver.py ADDRESS TRACE_DIR RAYLET_PID_OF_NODE_B
+    python tests/support/multinode_driver.py ADDRESS TRACE_DIR RAYLET_PID_OF_NODE_B
 
 Prints JSON lines: {"event": "restart-node-b"} (the test restarts node B, then writes a line to
 stdin) and finally {"event": "result", ...} with what it saw; the test asserts on that.
@@ -18,16 +18,16 @@ import sys
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
-
-from reference_decode import greedy_reference
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(TESTS)
+sys.path[:0] = [ROOT, TESTS]  # run as a script: the repository and `support` importable
 
 from actors.engine import start_engine, stop_engine
 from actors.engine_client import EngineClient
 from pipeline.config import load_config
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
+from support.reference_decode import greedy_reference
 
 PROMPTS = [[1, 5, 9, 14, 3], [1, 40, 41, 42], [1, 7, 7, 7, 7, 7, 30], [1, 99, 12]]
 NEW_TOKENS = 24
@@ -89,7 +89,7 @@ async def main(address: str, trace_dir: str, raylet_b: int) -> dict[str, Any]:
     overrides = {"placement": PLACEMENT, "step_timeout_s": STEP_TIMEOUT_S, "draft": "model",
                  "tracing": {"exporter": "file", "batch": False,
                              "file": os.path.join(trace_dir, "spans-{pid}.jsonl")}}
-    config = load_config(os.path.join(os.path.dirname(HERE), "configs", "tiny-tp2.yaml"),
+    config = load_config(os.path.join(ROOT, "configs", "tiny-tp2.yaml"),
                          overrides)
     runner = build_runner(config.replace(tensor_parallel_size=1, draft="none"))
     reference = [greedy_reference(runner, p, NEW_TOKENS) for p in PROMPTS]

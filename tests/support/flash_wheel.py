@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from support.paths import REPO as ROOT
+
 VERSION = "2.6.2"
-ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".tools" / "wheels"
 EXTRACTED = ROOT / ".tools" / f"vllm-flash-attn-{VERSION}"
 EXTENSION = "vllm_flash_attn_2_cuda"

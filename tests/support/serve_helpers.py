@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import ROOT
 
 
 def free_port() -> int:

@@ -1,4 +1,5 @@
-"""A fake engine with the Engine actor's API, and a byte tokenizer, for front-end tests.
+"""A fake engine with the Engine actor's API, a byte tokenizer, and in-process calls to the app
+(`call`, `check_openai_error`), for front-end tests.
 
 The fake "generates" a fixed script (rotated by the seed when sampling), delivers it in
 speculative-looking windows of `window` tokens, and applies the finish rules itself (stop token,
@@ -8,9 +9,12 @@ EOS, stop string, length) so that responses have known, literal contents.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx
 
 from pipeline.errors import EngineOverloadedError
 from pipeline.output.request_output import RequestOutput
@@ -153,3 +157,24 @@ class FakeEngine:
     async def model_info(self) -> dict[str, Any]:
         return {"name": "fake-model", "source": "fake:0", "max_model_len": self.max_model_len,
                 "vocab_size": 256, "eos_token_ids": [EOS]}
+
+
+# --- calling the app in-process (httpx over ASGI, no sockets)
+
+
+async def call(app: Any, method: str, path: str, body: Any = None,
+               headers: list[tuple[str, str]] | None = None) -> httpx.Response:
+    content = None if body is None else json.dumps(body).encode()  # ensure_ascii: any str
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+        hdrs = [("content-type", "application/json"), *(headers or [])]
+        return await c.request(method, path, content=content, headers=hdrs)
+
+
+def check_openai_error(r: httpx.Response) -> dict[str, Any]:
+    assert r.headers["content-type"].startswith("application/json"), r.text[:200]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["param"] is None or isinstance(err["param"], str)
+    return err
