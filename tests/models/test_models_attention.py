@@ -1,6 +1,6 @@
 """Attention backends. The flash path runs through the real vllm-flash-attn 2.6.2 Python wrapper
 (fetched from PyPI, loaded unchanged) over a pure-torch stand-in for its CUDA extension
-(`tests/flash_wheel.py`), so a wrong keyword, argument order, dtype or layout fails here on CPU."""
+(`tests/support/flash_wheel.py`), so a wrong keyword, argument order, dtype or layout fails here on CPU."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support.paths import ROOT as REPO
 
 from pipeline.tracing.otel import (
     context_from_traceparent,
@@ -32,8 +33,6 @@ from pipeline.tracing.otel import (
     traceparent_of,
 )
 from pipeline.tracing.trace_file import JsonLinesSpanExporter, read_spans, spans_to_otlp_json
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def span_names(req: ExportTraceServiceRequest) -> list[str]:

@@ -8,8 +8,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from support.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PIPELINE = ROOT / "pipeline"
 BELOW_ENGINE = ["config.py", "draft", "verify", "grammar", "models", "output", "frontend",
                 "tracing", "protocol"]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 CHART = REPO / "helm" / "specrelay"
 

@@ -6,8 +6,9 @@ import os
 import sys
 
 import pytest
+from support.paths import ROOT
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import replay_ngram
 

@@ -8,8 +8,7 @@ import os
 import sys
 
 from pytest import approx
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import ROOT
 
 
 def _bench_module():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
-import pathlib
 import time
 
 import httpx
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 from schemathesis.core.parameters import ParameterLocation
 from schemathesis.generation import GenerationMode
 from support.hostile_requests import BAD_REQUESTS, CHAT, C, check_error, encode_body
+from support.paths import REPO as ROOT
 from support.server_fakes import ByteTok, FakeEngine
 
 from pipeline import protocol
@@ -31,7 +31,6 @@ from pipeline.frontend.openapi import openapi_schema
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 KEY = "sekrit-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 OK_BODY = {"prompt": "hi", "max_tokens": 4}

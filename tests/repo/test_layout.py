@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from support.paths import REPO
 
-PIPELINE = Path(__file__).resolve().parent.parent / "pipeline"
+PIPELINE = REPO / "pipeline"
 MAX_LINES = 400
 
 

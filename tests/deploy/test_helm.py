@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 from functools import cache
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -16,7 +17,6 @@ import yaml
 from support.helm_chart import (
     CHART,
     RELEASE,
-    REPO,
     crd_errors,
     env_of,
     helm,
@@ -61,7 +61,7 @@ CUSTOM = (
 # --- the tool and the chart ----------------------------------------------------------------------
 
 
-def test_helm_lint_passesstrict_schema():
+def test_helm_lint_passes_strict():
     out = helm("lint", "--strict", str(CHART))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 chart(s) failed" in out.stdout
@@ -355,14 +355,14 @@ def test_termination_grace_and_prestop_follow_the_drain_grace_period(grace, shut
 
 # --- monitoring (prometheus-operator) ------------------------------------------------------------
 
-PROM_CRDS = REPO / "tests" / "crds" / "prometheus-operator"
+PROM_CRDS = Path(__file__).resolve().parent / "crds" / "prometheus-operator"
 MONITORING = ("monitoring.enabled=true",)
 RAY_PORTS_METRICS = 8080  # values.yaml: ray.ports.metrics
 
 
 @cache
 def monitoring_validator(kind: str) -> jsonschema.Draft7Validator:
-    """The v1 openAPIV3Schema of a vendored prometheus-operator CRD (tests/crds/, see README)."""
+    """The v1 openAPIV3Schema of a vendored prometheus-operator CRD (tests/deploy/crds/, see README)."""
     path = PROM_CRDS / f"monitoring.coreos.com_{kind.lower()}s.yaml"
     crd = yaml.safe_load(path.read_text())
     assert crd["spec"]["names"]["kind"] == kind

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import yaml
+from support.paths import ROOT
 
 from pipeline.config import EngineConfig
 from pipeline.placement import Placement
 from pipeline.tracing.otel import CONFIG_KEYS, TracingConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(ROOT, "docs", "bench")
 MODES = ("none", "adaptive", "k2", "k4", "k8")
 
@@ -90,7 +90,7 @@ def test_the_engine_bench_writes_outside_the_tracked_tree_by_default():
 
 def test_every_docs_bench_file_named_anywhere_exists():
     named = set()
-    for pattern in ("README.md", "docs/*.md", "scripts/**/*.py", "tests/*.py", "configs/*.yaml"):
+    for pattern in ("README.md", "docs/*.md", "scripts/**/*.py", "tests/**/*.py", "configs/*.yaml"):
         for path in glob.glob(os.path.join(ROOT, pattern), recursive=True):
             with open(path) as f:
                 named |= set(re.findall(r"docs/bench/([\w.-]+\.\w+)", f.read()))

@@ -1,19 +1,18 @@
 """scripts/gpu_check.sh and its Python half, on CPU: the shell parses, parity runs through the
-real vllm-flash-attn wrapper (tests/flash_wheel.py), and the bench's smoke mode runs end to end."""
+real vllm-flash-attn wrapper (tests/support/flash_wheel.py), and the bench's smoke mode runs end to end."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from support import flash_wheel
+from support.paths import REPO
 
 import pipeline.models.runner as runner_mod
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check
 

@@ -1,6 +1,6 @@
 """The alert rules (pipeline/ops/alerts.py, written to helm/specrelay/files/alerts.yaml) checked
 and unit-tested by promtool: every alert fires on its synthetic failure and stays quiet on
-healthy series (tests/promtool/alerts_test.yaml), and no alert goes without such tests."""
+healthy series (tests/ops/promtool/alerts_test.yaml), and no alert goes without such tests."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 from support.ops_support import binary
+from support.paths import REPO
 
 from pipeline.ops.__main__ import generated
 from pipeline.ops.alerts import ALERTS, rule_file
 
-REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "helm" / "specrelay" / "files" / "alerts.yaml"
-UNIT_TESTS = REPO / "tests" / "promtool" / "alerts_test.yaml"
+UNIT_TESTS = Path(__file__).resolve().parent / "promtool" / "alerts_test.yaml"
 
 
 def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
