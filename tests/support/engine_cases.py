@@ -16,10 +16,8 @@ PROMPTS = [
     [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31, 32],
     [77, 78, 77, 78, 77],
 ]
-TOK = tiny_tokenizer()
-
-
 LOSSY_PROMPT = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31, 32]  # n-gram drafts get rejected
+TOK = tiny_tokenizer()
 
 
 def ids(deltas: list) -> list[int]:
