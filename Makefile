@@ -37,8 +37,8 @@ soak: install
 # The property tests with fresh random examples (CI replays fixed ones); repeat to search more.
 explore: install
 	HYPOTHESIS_PROFILE=explore $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not ray" \
-		tests/test_output_chunking.py tests/test_output.py tests/test_protocol.py tests/test_ngram.py \
-		tests/test_security.py
+		tests/output/test_output_chunking.py tests/output/test_output.py \
+		tests/protocol/test_protocol.py tests/draft/test_ngram.py tests/frontend/test_security.py
 
 test-fast: install
 	PATH=$(CURDIR)/.tools:$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow and not ray"

@@ -227,7 +227,7 @@ def loopback_replica_grpc() -> None:
     interface) whatever the node's address. On a loopback-only node (a local `specrelay serve`,
     see loopback_ray) peers reach it at 127.0.0.1, so bind it there like the rest of Ray.
     Call in the replica before Serve finishes initializing it; a no-op on cluster nodes.
-    tests/test_security_serve.py scans the sockets, so a Ray upgrade that moves this shows."""
+    tests/e2e/test_security_serve.py scans the sockets, so a Ray upgrade that moves this shows."""
     from ray.serve._private import replica
 
     if ray.util.get_node_ip_address() not in ("127.0.0.1", "::1"):

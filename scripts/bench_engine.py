@@ -474,7 +474,7 @@ def reference_outputs(runner: Any, prompts: dict[str, list[int]], max_tokens: in
                       eos: list[int]) -> dict[str, list[int]]:
     """Target-only greedy output of each prompt, one request at a time, one token per forward,
     stopping after an EOS id like the engine: the yardstick every greedy mode must equal. Kept
-    apart from the engine loop on purpose (and from tests/reference_decode.py, which is
+    apart from the engine loop on purpose (and from tests/support/reference_decode.py, which is
     test-only): two independent decoders that agree are the evidence."""
     out = {}
     for key, ids in prompts.items():

@@ -28,7 +28,7 @@ status=0
 
 engine_tests() {  # $1 dtype, $2 attention backend, $3 pytest -k expression
     SPECRELAY_TEST_DEVICE=cuda SPECRELAY_TEST_DTYPE=$1 SPECRELAY_TEST_BACKEND=$2 \
-        timeout 300 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_engine.py \
+        timeout 300 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/engine/test_engine.py \
         -k "$3" --junitxml="$OUT/engine-$1-$2.xml" || status=1
 }
 engine_tests float32 sdpa 'speculative_greedy_equals_target_only or finishes_inside_one_window'

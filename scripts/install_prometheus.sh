@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debian's `prometheus` package (Prometheus + promtool) for the ops tests (tests/test_ops_*.py),
+# Debian's `prometheus` package (Prometheus + promtool) for the ops tests (tests/ops/test_ops_*.py),
 # where apt is available and we are root; elsewhere those tests skip and say why. Only the
 # binaries are wanted: the package's own daemon is stopped and disabled (the tests start their
 # own Prometheus on a free loopback port).

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
 from hypothesis import settings
+
+# The shared helpers are the package tests/support: `from support.<module> import ...` from any
+# test folder (pytest's prepend mode puts only each test file's own folder on sys.path).
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)

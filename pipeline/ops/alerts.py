@@ -1,7 +1,7 @@
 """The Prometheus alert rules of a specrelay deployment, as data. `rule_file()` is the plain rule
 file (helm/specrelay/files/alerts.yaml, what `promtool check rules` reads); the chart wraps the
 same groups in a PrometheusRule. Each alert's runbook is a section of docs/operations.md, and
-tests/promtool/alerts_test.yaml unit-tests each one (a test fails when one has no unit test).
+tests/ops/promtool/alerts_test.yaml unit-tests each one (a test fails when one has no unit test).
 """
 
 from __future__ import annotations

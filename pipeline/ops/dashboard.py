@@ -2,7 +2,7 @@
 replica/engine) of panels over the series /metrics exports (pipeline/frontend/metrics.py).
 
 Every query uses only Prometheus and the Grafana variables `$datasource` and `$__rate_interval`
-(tests/test_ops_prometheus.py evaluates each one against a real Prometheus scraping the server).
+(tests/ops/test_ops_prometheus.py evaluates each one against a real Prometheus scraping the server).
 docs/operations.md says what each panel means and what to do about it.
 """
 

@@ -12,7 +12,7 @@ base + per_row * verify rows + per_draft * longest draft + per_verify if any dra
   is admitted and nothing waits.
 
 No state, no I/O: both plans are property-tested against brute-force references
-(tests/test_spec_control.py).
+(tests/engine/test_spec_control.py).
 """
 
 from __future__ import annotations

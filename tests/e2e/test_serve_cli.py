@@ -1,0 +1,31 @@
+"""`specrelay serve` as a user runs it: its own local Ray, Serve on loopback, the API key."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+from support.serve_helpers import ROOT, serve_process
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+
+def test_specrelay_serve_binds_loopback_and_requires_the_key(tmp_path):
+    env = {"RAY_AUTH_MODE": "token", "SPECRELAY_API_KEY": "from-env"}
+    with serve_process(os.path.join(ROOT, "configs", "tiny.yaml"), tmp_path, env,
+                       ready_timeout=150) as run:
+        base = run.base
+        assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401
+        ok = {"Authorization": "Bearer from-env"}
+        r = httpx.post(f"{base}/v1/completions", headers=ok, timeout=60,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 4,
+                             "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    assert run.rc == 0, run.log_path.read_text()[-3000:]
+    # The port is released once the server stopped.
+    time.sleep(0.5)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base}/health", timeout=2)

@@ -1,0 +1,30 @@
+"""scripts/bench_output.py runs end to end at a tiny size (its numbers are reported in notes and
+docs/benchmarks.md, never asserted): the untraced rates and the paired tracing comparison."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from support.serve_helpers import ROOT
+
+SMALL = ["--requests", "8", "--steps", "3", "--repeats", "2", "--skip-scaling"]
+
+
+@pytest.mark.parametrize("extra", [["--gc", "default"], ["--trace-overhead", "--trace-ratio", "0.5"]])
+def test_bench_output_runs_and_reports_rates(extra):
+    out = subprocess.run([sys.executable, "scripts/bench_output.py", *SMALL, *extra], check=False,
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == f"8 requests x 5-token windows, GC {'default' if '--gc' in extra else 'tuned'}"
+    if "--trace-overhead" in extra:
+        assert [ln.split(":")[0] for ln in lines[1:]] == ["tracing overhead, ids",
+                                                          "tracing overhead, text"]
+        assert all(re.search(r"[+-]\d+\.\d% CPU$", ln) for ln in lines[1:])
+    else:
+        rates = [float(m.group(1).replace(",", ""))
+                 for m in map(re.compile(r": ([\d,]+) accepted tokens/s").search, lines[1:]) if m]
+        assert len(rates) == 2 and all(r > 0 for r in rates), lines
