@@ -16,6 +16,7 @@ import string
 
 import httpx
 import pytest
+from support.paths import ROOT
 
 from pipeline.config import load_config
 from pipeline.engine.local import LocalEngineClient, build_local_engine
@@ -187,7 +188,7 @@ def test_batch_generate_results_report_cached_tokens():
 
     from pipeline.frontend.tokenizer import TokenizerAdapter
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import batch_generate
 
     core = _engine({"draft": "ngram"})
