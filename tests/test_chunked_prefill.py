@@ -284,6 +284,23 @@ def test_verify_rows_alone_over_the_budget_have_their_drafts_cut_to_fit():
     assert sorted(plan.caps) == [1, 1, 2]
 
 
+def test_waiting_prompts_get_at_least_half_the_budget_from_drafting_streams():
+    """16 streams at k 4 would fill a 64-token budget with verify rows; a newcomer waits, so
+    their drafts shrink to leave it half the budget (each stream keeps its own token)."""
+    sched = Scheduler(num_slots=17, max_waiting=32, max_model_len=256, num_speculative_tokens=4,
+                      vocab_size=300, max_tokens=64)
+    for i in range(16):
+        sched.enqueue(sched.prepare(f"r{i}", [5, 6], SamplingParams(max_new_tokens=50)))
+    plan = sched.schedule()
+    sched.apply(StepOutcome(plan.step, plan.rids, [[9]] * 16, [0] * 16, cached=[0] * 16))
+    assert sched.schedule().num_tokens == 64  # nobody waits: verify rows take the budget
+    sched.apply(StepOutcome(1, [f"r{i}" for i in range(16)], [[9]] * 16, [0] * 16))
+    sched.enqueue(sched.prepare("late", [7] * 100, SamplingParams(max_new_tokens=5)))
+    plan = sched.schedule()
+    assert len(plan.decode) == 16 and sum(1 + c for c in plan.caps) == 32
+    assert [(n.rid, n.chunk) for n in plan.new] == [("late", 32)]
+
+
 # --- the messages -----------------------------------------------------------------------------
 CHUNKED = StepPlan(step=3, new=[NewRequest("n", list(range(1, 40)), SamplingParams(), chunk=16)],
                    prefills=["p", "q"], prefill_starts=[16, 0], prefill_ends=[32, 5],

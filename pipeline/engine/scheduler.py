@@ -15,8 +15,9 @@ Invariants:
 - the queue and the slots are counted in choices (engine requests); admission happens whenever
   slots are free, in the order pipeline.engine.admission's rules give (stated there once);
 - chunked prefill (`max_tokens`, a step's token budget): verify rows go first (1 + draft cap
-  each; caps shrink, largest first, while they alone exceed the budget), then the prefills
-  already under way continue in arrival order, then admissions take the rest; a prefill may
+  each; caps shrink, largest first, while they exceed the budget, or half of it while prompts
+  wait: `_verify_budget`), then the prefills already under way continue in arrival order,
+  then admissions take the rest; a prefill may
   span steps ([start, end) chunks in the plan), yields its first token only from its last
   chunk and verifies only after that. A prefilling request keeps the blocks of its whole prompt
   reserved from admission on, so it is never preempted mid-prefill;
@@ -27,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
@@ -210,7 +212,7 @@ class Scheduler:
         caps = {r.rid: max(0, min(self.num_speculative_tokens, r.remaining - 1,
                                   draft_room(self.max_model_len, r.kv_len)))
                 for r in decode}
-        _fit(caps, self.max_tokens)
+        _fit(caps, self._verify_budget(decode))
         preempted = self._preempt(decode, caps)
         decode = [r for r in decode if r.rid in self.running]
         left = None if self.max_tokens is None else max(
@@ -270,6 +272,20 @@ class Scheduler:
                                        num_output=req.num_output, chunk=chunk))
         self._new = admitted
         return plan
+
+    def _verify_budget(self, decode: list[EngineRequest]) -> int | None:
+        """The step tokens verify rows may take: all of the budget when no prompt waits to be
+        prefilled, else what the prompts leave but at least half (drafts are optional work, a
+        prefill is not: without a share, many streams at full k would hold every new request
+        back until some finished). A row's own token always goes (at least one each)."""
+        if self.max_tokens is None:
+            return None
+        free = self.num_slots - len(self.running)
+        demand = sum(r.prefill_len - r.computed for r in self.running.values() if r.prefilling)
+        demand += sum(len(r.prefill_ids) for r in itertools.islice(self.waiting, free))
+        if not demand:
+            return self.max_tokens
+        return max(self.max_tokens - demand, self.max_tokens // 2)
 
     # --- KV blocks ------------------------------------------------------------------------
     def _blocks(self, tokens: int) -> int:
