@@ -164,6 +164,30 @@ def test_grammar_constrained_first_token_is_masked_after_a_chunked_prompt():
         check_valid(chunked.text, "regex", REGEX)
 
 
+def test_aborting_a_request_mid_prefill_frees_everything_and_others_finish(reference):
+    reqs, want = reference
+    core, plans = _engine({"draft": "model", "max_num_batched_tokens": 16})
+    long = [7 + i % 200 for i in range(230)]
+
+    async def main():
+        core.start()
+        stream = await core.add_request("long", long, SamplingParams(max_new_tokens=5))
+        while not any("long" in p.prefills for p in plans):  # its second chunk is planned
+            await asyncio.sleep(0.001)
+        assert core.scheduler.running["long"].prefilling
+        await core.abort("long")
+        deltas = [d async for d in stream]
+        others = await collect(core, reqs[:2])
+        await core.idle()
+        return deltas, others
+
+    deltas, others = asyncio.run(main())
+    assert [d.finish_reason for d in deltas] == ["abort"] and not deltas[0].token_ids
+    assert {rid: c.token_ids for rid, c in others.items()} == {r: want[r] for r in ("r0", "r1")}
+    assert not core.stages.verifier._prefilling
+    _no_blocks_held(core)
+
+
 def test_eight_long_prompts_arriving_while_streams_run_all_complete_without_a_stall():
     """Eight ~1,900-token prompts (max_model_len 2048, KV for all) arrive while four streams
     decode: every request completes, no step is declared stalled, none is over the budget, and
