@@ -225,6 +225,23 @@ def test_eight_long_prompts_arriving_while_streams_run_all_complete_without_a_st
     _no_blocks_held(core)
 
 
+def test_the_verifier_refuses_a_chunk_that_does_not_continue_its_prefill():
+    from pipeline.models.runners import build_runner
+    from pipeline.verify.verifier import Verifier
+
+    verifier = Verifier(build_runner(load_config(CONFIG, {"draft": "none"}), "target"))
+    prompt = list(range(3, 43))
+    out = verifier.step(StepPlan(0, new=[NewRequest("a", prompt, SamplingParams(), chunk=16)]),
+                        None)
+    assert out.rids == [] and out.cached == [0]  # no token before the last chunk
+    with pytest.raises(ValueError, match=r"chunk \[10, 20\) of 'a' does not continue"):
+        verifier.step(StepPlan(1, prefills=["a"], prefill_starts=[10], prefill_ends=[20]), None)
+    with pytest.raises(ValueError, match="no prefill under way"):
+        verifier.step(StepPlan(1, prefills=["b"], prefill_starts=[0], prefill_ends=[20]), None)
+    out = verifier.step(StepPlan(2, prefills=["a"], prefill_starts=[16], prefill_ends=[40]), None)
+    assert out.rids == ["a"] and len(out.tokens[0]) == 1 and out.drafted == [0]
+
+
 # --- the scheduler, as a property -------------------------------------------------------------
 @st.composite
 def workloads(draw):

@@ -17,10 +17,10 @@ Invariants:
 - chunked prefill (`max_tokens`, a step's token budget): verify rows go first (1 + draft cap
   each; caps shrink, largest first, while they exceed the budget, or half of it while prompts
   wait: `_verify_budget`), then the prefills already under way continue in arrival order,
-  then admissions take the rest; a prefill may
-  span steps ([start, end) chunks in the plan), yields its first token only from its last
-  chunk and verifies only after that. A prefilling request keeps the blocks of its whole prompt
-  reserved from admission on, so it is never preempted mid-prefill;
+  then admissions take the rest. A prefill may span steps ([start, end) chunks in the plan),
+  yields its first token only from its last chunk and verifies only after that. A prefilling
+  request keeps the blocks of its whole prompt reserved from admission on, so it is never
+  preempted mid-prefill;
 - no verify writes past `max_model_len`, and none is scheduled once a request has as many
   output tokens as it may keep (`max_output`); the output processor decides the finish.
 """

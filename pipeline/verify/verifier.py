@@ -50,6 +50,10 @@ class Verifier:
     def step(self, plan: StepPlan, proposal: Proposal | None) -> StepOutcome | None:
         """Run one step; the driver returns its outcome (with the encoded message)."""
         self.release(plan.release)
+        # continuing chunks are checked first: one that does not continue its prefill on this
+        # rank (a plan out of step with the stage) is refused before any slot or forward
+        more = [self._next_chunk(*c) for c in zip(plan.prefills, plan.prefill_starts,
+                                                  plan.prefill_ends)]
         cached, chunks = [], []  # chunks: (rid, prompt ids, start, end) in forward order
         for new in plan.new:
             if new.rid in self._slots:
@@ -65,8 +69,10 @@ class Verifier:
                 self._prefilling[new.rid] = (new.prompt_ids, new.num_output)
             else:
                 self._num_output[new.rid] = new.num_output
-        for rid, start, end in zip(plan.prefills, plan.prefill_starts, plan.prefill_ends):
-            chunks.append(self._next_chunk(rid, start, end))
+        for rid, ids, _, end in more:
+            if end == len(ids):  # its last chunk: the token's output position, until acceptance
+                self._num_output[rid] = self._prefilling.pop(rid)[1]
+        chunks += more
         if self.driver:
             self.grammars.apply(plan)
         if not plan.rids:  # a release-only plan
@@ -104,14 +110,11 @@ class Verifier:
         """A continuing prefill's chunk [start, end), checked against what this rank holds."""
         if rid not in self._prefilling:
             raise ValueError(f"verifier: request {rid!r} has no prefill under way")
-        ids, num_output = self._prefilling[rid]
+        ids = self._prefilling[rid][0]
         held = self.runner.length(self._slots[rid])
         if start != held or end > len(ids):
             raise ValueError(f"verifier: chunk [{start}, {end}) of {rid!r} does not continue "
                              f"its prefill ({held} of {len(ids)} tokens computed)")
-        if end == len(ids):
-            del self._prefilling[rid]
-            self._num_output[rid] = num_output
         return rid, ids, start, end
 
     def _drafts(self, plan: StepPlan, proposal: Proposal | None) -> list[list[int]]:
