@@ -63,6 +63,13 @@ class EngineConfig:
     # fit in the default pool of 8 x 2048 tokens.
     max_num_seqs: int | None = None
     block_size: int = 16  # tokens per KV block; the flash backend needs a multiple of 16
+    # Chunked prefill: the most tokens one step's target forward computes. Running requests'
+    # verify rows go first (1 + draft cap each; when they alone exceed it their caps shrink),
+    # prompt chunks fill the rest, so a long prompt is prefilled over several steps and never
+    # stalls the running streams. None: no budget (a whole prompt in one step). The default
+    # suits the shipped CPU config (configs/smollm2-cpu.yaml, how it was measured); a config
+    # with long drafts (suffix: k 32) or a GPU needs more (vLLM's GPU defaults: 2048-8192).
+    max_num_batched_tokens: int | None = 64
     # Automatic prefix caching: full blocks of committed tokens (prompt, accepted output) are
     # kept under a chained hash after their request ends, and a request whose prompt starts
     # with them reuses their KV (prefilling only the rest) until they are evicted (LRU).
@@ -136,6 +143,8 @@ class EngineConfig:
             check.integer("max_num_seqs", self.max_num_seqs, 1)
         if self.kv_cache_tokens is not None:
             check.integer("kv_cache_tokens", self.kv_cache_tokens, self.max_model_len)
+        if self.max_num_batched_tokens is not None:
+            check.integer("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check.integer("max_waiting", self.max_waiting, 0)
         check.integer("reserved_slots", self.reserved_slots, 0)
         if self.reserved_waiting is not None:

@@ -38,6 +38,11 @@ class Proposer(ABC):
     def remove(self, rid: str) -> None:
         """Forget a request and free what it held; unknown rids are ignored."""
 
+    def prefill(self, rids: list[str], counts: list[int]) -> None:
+        """The target computed up to `counts[i]` more prompt tokens of request i this step (a
+        prefill chunk). A proposer with a KV cache of its own fills it as far (so it is never
+        asked for a whole long prompt in one step); the others need nothing."""
+
     def finish(self, rid: str, tokens: list[int]) -> None:
         """A request ended; `tokens` its last step's, never committed. Only a proposer that
         learns from finished outputs needs them."""

@@ -1,7 +1,10 @@
 """A small draft model with its own KV cache proposes k tokens autoregressively.
 
 The draft cache holds a prefix of the request's sequence (`cached` tokens) plus, after a
-propose, the drafts it fed back in. `commit` keeps the part of that cache that the accepted
+propose, the drafts it fed back in. The prompt is fed chunk by chunk as the target prefills it
+(`prefill`: as many tokens a step as the target's chunk, from the draft's own cache hit on), so
+a long prompt costs the draft no longer a step than it costs the target; whatever it still
+lacks at its first propose (a smaller cache hit than the target's) is fed then. `commit` keeps the part of that cache that the accepted
 tokens confirmed, so rollback is a length update (ModelRunner.truncate), never a recompute.
 """
 
@@ -39,6 +42,21 @@ class DraftModelProposer(Proposer):
         slot = self.runner.allocate()
         cached = self.runner.attach_prefix(slot, prompt_ids)  # prefix caching: 0 when off
         self._seqs[rid] = _DraftSeq(slot, params, len(prompt_ids), list(prompt_ids), cached)
+
+    def prefill(self, rids: list[str], counts: list[int]) -> None:
+        seqs, runs = [], []
+        for rid, n in zip(rids, counts):
+            s = self._seqs[rid]
+            run = s.tokens[s.cached:min(s.num_prompt, s.cached + n)]
+            if run:
+                seqs.append(s)
+                runs.append(run)
+        if not seqs:
+            return
+        self.runner.forward([s.slot for s in seqs], runs, last_only=True)  # KV only
+        for s in seqs:
+            s.cached = self.runner.length(s.slot)
+            self.runner.truncate(s.slot, s.cached)  # prompt tokens: committed, cacheable
 
     def propose(self, rids: list[str], ks: list[int]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in rids]

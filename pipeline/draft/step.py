@@ -17,7 +17,8 @@ from pipeline.protocol import StepPlan
 
 def draft_step(proposer: Proposer, plan: StepPlan,
                grammars: GrammarTracker | None = None) -> Proposal:
-    """Release finished requests, add new ones, commit last step's tokens, draft this step's;
+    """Release finished requests, add new ones, commit last step's tokens, follow the prefill
+    chunks, draft this step's;
     with `grammars`, each constrained request's drafts end before the first token its grammar
     rejects (so the verifier, the adaptive k and `draft_tokens` see only drafts that can count)."""
     if grammars is not None:
@@ -28,6 +29,10 @@ def draft_step(proposer: Proposer, plan: StepPlan,
         proposer.add(new.rid, new.prompt_ids, new.params, new.tenant)
     for rid, tokens in plan.commits.items():
         proposer.commit(rid, tokens)
+    chunks = [len(n.prompt_ids) if n.chunk is None else n.chunk for n in plan.new]
+    if chunks or plan.prefills:  # the target's prefill chunks, for a draft model's own KV
+        proposer.prefill([n.rid for n in plan.new] + plan.prefills,
+                         chunks + [e - s for s, e in zip(plan.prefill_starts, plan.prefill_ends)])
     start = time.perf_counter()
     if proposer.scores_drafts and plan.min_gains:
         # drafts up to the step's bound, kept by score; a floor above 1 no confidence can

@@ -15,7 +15,9 @@ Rules, applied for every free slot:
   counted in blocks too: a choice of a group that is not lone is admitted only if, after it,
   `reserved_slots` more choices of its size still fit in the free blocks.
 Within a group choices are admitted in arrival order; a preempted choice goes back to the front
-of its group (`push_front`), keeping its arrival order.
+of its group (`push_front`), keeping its arrival order. With a step token budget (chunked
+prefill) admission also stops once the admitted prompts' first chunks have used it up: each
+choice takes min(what is left, its prompt), so only the last one admitted may be cut.
 """
 
 from __future__ import annotations
@@ -72,12 +74,14 @@ class FairQueue:
         return held[group], self._served.get(group, -1), self._groups[group][0].seq
 
     def admit(self, free_slots: int, held: Counter[str], free_blocks: int | None = None,
-              blocks_of: Callable[[Waiting], int] | None = None) -> list[Waiting]:
+              blocks_of: Callable[[Waiting], int] | None = None, tokens: int | None = None,
+              tokens_of: Callable[[Waiting], int] | None = None) -> list[Waiting]:
         """Pop the requests that take (some of) `free_slots`, given the slots each group holds
         now (`held` is updated as slots are handed out). With `free_blocks`, each admitted
-        request also takes `blocks_of(request)` of them."""
+        request also takes `blocks_of(request)` of them; with `tokens` (a step's prompt budget),
+        min(what is left, `tokens_of(request)`) of those, and none is admitted once it is 0."""
         out: list[Waiting] = []
-        while free_slots > 0 and self._groups:
+        while free_slots > 0 and self._groups and (tokens is None or tokens > 0):
             groups: Iterable[str] = self._groups
             reserve = free_slots <= self.reserved_slots
             if free_blocks is not None and blocks_of is not None and self.reserved_slots:
@@ -104,6 +108,8 @@ class FairQueue:
             free_slots -= 1
             if free_blocks is not None:
                 free_blocks -= cost
+            if tokens is not None and tokens_of is not None:
+                tokens -= min(tokens, tokens_of(req))
             out.append(req)
         return out
 

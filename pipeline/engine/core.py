@@ -82,7 +82,8 @@ class EngineCore:
                                    reserved_slots=config.reserved_slots,
                                    reserved_waiting=config.waiting_reserve,
                                    spec=SpecController(config.spec_settings),
-                                   num_blocks=config.kv_blocks, block_size=config.block_size)
+                                   num_blocks=config.kv_blocks, block_size=config.block_size,
+                                   max_tokens=config.max_num_batched_tokens)
         self.stats = EngineStats()
         self.stall = stall or StallDetector(config.step_timeout_floor_s,
                                             config.step_timeout_p99_multiple,
@@ -235,7 +236,7 @@ class EngineCore:
             released = self._unreleased.pop(rid, None)
             if released is not None:
                 released.set()
-        if not outcome.rids:  # a release-only step: nothing to output
+        if not plan.rids:  # a release-only step: nothing to output
             return None
         self.stall.record(time.monotonic() - started, tokens)
         for new, cached in zip(plan.new, outcome.cached):
@@ -244,12 +245,16 @@ class EngineCore:
                 self.stats.prefix_queries += len(new.prompt_ids)
                 self.stats.prefix_hits += cached
         self.scheduler.apply(outcome)
-        self.stats.record(outcome, len(plan.new))
-        new = len(plan.new)  # the adaptive k learns from the decodes only
+        # the outcome's rows: the prefills whose last chunk ran, then every verify
+        new = len(outcome.rids) - len(plan.decode)
+        self.stats.record(outcome, new)
+        # the adaptive k learns from the decodes only
         self.scheduler.spec.observe(outcome.rids[new:], outcome.drafted[new:],
                                     [len(t) for t in outcome.tokens[new:]], outcome.decode_s,
                                     outcome.expected[new:] if outcome.expected else None)
         self.last_progress = time.time()
+        if not outcome.rids:  # only prefill chunks that did not end their prompts
+            return None
         output = asyncio.ensure_future(
             self._timed(self.stages.process(outcome.payload), plan.step, "output"))
         if self.config.overlap:

@@ -14,6 +14,13 @@ Invariants:
   recomputed (prompt + output so far) as one prefill whose token is its next output token;
 - the queue and the slots are counted in choices (engine requests); admission happens whenever
   slots are free, in the order pipeline.engine.admission's rules give (stated there once);
+- chunked prefill (`max_tokens`, a step's token budget): verify rows go first (1 + draft cap
+  each; caps shrink, largest first, while they exceed the budget, or half of it while prompts
+  wait: `_verify_budget`), then the prefills already under way continue in arrival order,
+  then admissions take the rest. A prefill may span steps ([start, end) chunks in the plan),
+  yields its first token only from its last chunk and verifies only after that. A prefilling
+  request keeps the blocks of its whole prompt reserved from admission on, so it is never
+  preempted mid-prefill;
 - no verify writes past `max_model_len`, and none is scheduled once a request has as many
   output tokens as it may keep (`max_output`); the output processor decides the finish.
 """
@@ -21,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
@@ -53,6 +61,8 @@ class EngineRequest:
     seq: int = 0  # arrival order, set when queued
     output_ids: list[int] = field(default_factory=list)  # every token generated so far
     reserved: int = 0  # KV tokens its stages may hold after the step last planned for it
+    prefill_len: int = 0  # tokens its current admission prefills (prompt + output so far)
+    computed: int = 0  # of those, how many the stages' KV holds after the steps planned so far
 
     def __post_init__(self) -> None:
         self.group = self.group or self.rid
@@ -71,6 +81,11 @@ class EngineRequest:
         return self.prompt_ids + self.output_ids
 
     @property
+    def prefilling(self) -> bool:
+        """Admitted, and its prefill's last chunk not yet planned."""
+        return self.computed < self.prefill_len
+
+    @property
     def kv_len(self) -> int:
         return self.seq_len - 1
 
@@ -84,8 +99,10 @@ class Scheduler:
                  num_speculative_tokens: int,
                  vocab_size: int, reserved_slots: int = 0,
                  spec: SpecController | None = None, reserved_waiting: int = 0,
-                 num_blocks: int | None = None, block_size: int = 16) -> None:
+                 num_blocks: int | None = None, block_size: int = 16,
+                 max_tokens: int | None = None) -> None:
         self.num_slots = num_slots
+        self.max_tokens = max_tokens  # a step's token budget (chunked prefill); None: none
         # The KV pool of every stage (None: no block accounting, slots are the only limit).
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -105,6 +122,7 @@ class Scheduler:
         self._release: list[str] = []
         self._finals: dict[str, list[int]] = {}  # released requests' uncommitted tokens
         self._step = 0
+        self._new: list[EngineRequest] = []  # the last plan's new requests (their cache hits)
         # A batch job's last request is queued: once nothing waits, the batch drains (no
         # request will take a freed slot). Cleared by a request arriving at an idle engine.
         self._closed = False
@@ -194,12 +212,24 @@ class Scheduler:
         caps = {r.rid: max(0, min(self.num_speculative_tokens, r.remaining - 1,
                                   draft_room(self.max_model_len, r.kv_len)))
                 for r in decode}
+        _fit(caps, self._verify_budget(decode))
         preempted = self._preempt(decode, caps)
         decode = [r for r in decode if r.rid in self.running]
-        admitted = [] if preempted else self.waiting.admit(
+        left = None if self.max_tokens is None else max(
+            0, self.max_tokens - sum(1 + c for c in caps.values()))
+        chunks = []  # prefills under way, oldest first: (request, start, end)
+        for req in sorted((r for r in self.running.values() if r.prefilling),
+                          key=lambda r: r.seq):
+            n = req.prefill_len - req.computed if left is None else min(
+                left, req.prefill_len - req.computed)
+            if n <= 0:
+                break
+            chunks.append((req, req.computed, req.computed + n))
+            left = None if left is None else left - n
+        admitted = [] if preempted or left == 0 else self.waiting.admit(
             self.num_slots - len(self.running), self._held, self._free_blocks(decode, caps),
-            self._admission_blocks)
-        if not decode and not admitted and not self._release:
+            self._admission_blocks, left, lambda r: len(r.prefill_ids))
+        if not decode and not admitted and not chunks and not self._release:
             return None
         plan = StepPlan(step=self._step, release=self._release, finals=self._finals)
         self._step += 1
@@ -218,20 +248,44 @@ class Scheduler:
         plan.caps = list(plan.ks)
         # a drain: nothing waits or will come, every running request is past its prefill
         drain = (self._closed and not self.waiting and not admitted
-                 and all(r.num_output > 0 for r in self.running.values()))
+                 and all(r.num_output > 0 and not r.prefilling for r in self.running.values()))
         # No k is pinned: a seeded request's output does not depend on its drafts (its
         # randomness is keyed by output position, pipeline.verify.acceptance).
         plan.ks = self.spec.choose(plan.decode, plan.ks, None,
                                    [r.remaining for r in decode] if drain else None)
         plan.min_gains = self.spec.min_gains(plan.decode)
+        for req, start, end in chunks:
+            plan.prefills.append(req.rid)
+            plan.prefill_starts.append(start)
+            plan.prefill_ends.append(end)
+            req.computed = end
         for req in admitted:
             req.status = Status.RUNNING
             self.running[req.rid] = req
             ids = req.prefill_ids
-            req.reserved = len(ids)
+            req.reserved = req.prefill_len = len(ids)
+            # its first chunk; the stages start it past their cache hit (added in `apply`)
+            req.computed = len(ids) if left is None else min(left, len(ids))
+            chunk = None if req.computed == len(ids) else req.computed
+            left = None if left is None else left - req.computed
             plan.new.append(NewRequest(req.rid, ids, req.params, req.tenant,
-                                       num_output=req.num_output))
+                                       num_output=req.num_output, chunk=chunk))
+        self._new = admitted
         return plan
+
+    def _verify_budget(self, decode: list[EngineRequest]) -> int | None:
+        """The step tokens verify rows may take: all of the budget when no prompt waits to be
+        prefilled, else what the prompts leave but at least half (drafts are optional work, a
+        prefill is not: without a share, many streams at full k would hold every new request
+        back until some finished). A row's own token always goes (at least one each)."""
+        if self.max_tokens is None:
+            return None
+        free = self.num_slots - len(self.running)
+        demand = sum(r.prefill_len - r.computed for r in self.running.values() if r.prefilling)
+        demand += sum(len(r.prefill_ids) for r in itertools.islice(self.waiting, free))
+        if not demand:
+            return self.max_tokens
+        return max(self.max_tokens - demand, self.max_tokens // 2)
 
     # --- KV blocks ------------------------------------------------------------------------
     def _blocks(self, tokens: int) -> int:
@@ -281,21 +335,28 @@ class Scheduler:
         if self._held[req.group] <= 0:
             del self._held[req.group]
         req.pending = []
-        req.reserved = 0
+        req.reserved = req.prefill_len = req.computed = 0
         req.status = Status.WAITING
         self.waiting.push_front(req)
         self.preemptions += 1
 
     def _steppable(self, req: EngineRequest) -> bool:
         # Done by the engine's count (its finish notice is on its way) or not prefilled yet.
-        return req.num_output > 0 and req.remaining > 0 and req.seq_len <= self.max_model_len
+        return (req.num_output > 0 and not req.prefilling and req.remaining > 0
+                and req.seq_len <= self.max_model_len)
 
     def apply(self, outcome: StepOutcome) -> None:
-        """Record what a step produced (requests finished meanwhile are skipped)."""
+        """Record what a step produced (requests finished meanwhile are skipped): the new
+        requests' cache hits move their prefill on (the stages computed their first chunk past
+        the hit), and a request that got tokens has finished its prefill."""
+        for req, cached in zip(self._new, outcome.cached):
+            req.computed = min(req.prefill_len, req.computed + cached)
+        self._new = []
         for rid, tokens in zip(outcome.rids, outcome.tokens):
             req = self.running.get(rid)
             if req is None:
                 continue
+            req.computed = req.prefill_len
             req.num_output += len(tokens)
             req.last_token = tokens[-1]
             req.pending.extend(tokens)
@@ -314,3 +375,17 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._release)
+
+
+def _fit(caps: dict[str, int], budget: int | None) -> None:
+    """Shrink the draft caps (largest first, one at a time) until the verify rows, 1 + cap
+    each, fit the step's token budget or every cap is 0."""
+    if budget is None:
+        return
+    total = sum(1 + c for c in caps.values())
+    while total > budget:
+        rid = max(caps, key=lambda r: caps[r], default=None)
+        if rid is None or caps[rid] == 0:
+            return
+        caps[rid] -= 1
+        total -= 1

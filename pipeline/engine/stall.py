@@ -4,7 +4,7 @@ A step is declared stalled after
 
     bound = clamp(multiple * p99(recent seconds per token) * step tokens, floor, ceiling)
 
-seconds. Time is scaled by the step's tokens (prompt tokens of its prefills, k + 1 per verify)
+seconds. Time is scaled by the step's tokens (prompt tokens of its prefill chunks, k + 1 per verify)
 so that a long prefill after many short decode steps is not mistaken for a hang; the floor keeps
 scheduling noise on a loaded machine from failing the engine, and the ceiling
 (`step_timeout_s`) is the bound before enough steps were timed (model warm-up, first prefill).
@@ -30,8 +30,9 @@ COLD_STEPS = 3  # a fresh stage's first steps, timed apart as its warm-up
 
 
 def plan_tokens(plan: StepPlan) -> int:
-    """The tokens a step computes: its prefills' prompts, k + 1 per verified request."""
-    return sum(len(n.prompt_ids) for n in plan.new) + sum(k + 1 for k in plan.draft_bounds)
+    """The tokens a step computes: its prefills' prompt chunks (whole prompts when unchunked),
+    k + 1 per verified request (StepPlan.num_tokens)."""
+    return plan.num_tokens
 
 
 class StallDetector:

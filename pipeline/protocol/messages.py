@@ -41,6 +41,10 @@ class NewRequest:
     # `num_output` of prompt_ids are its output, and the prefill's token is output position
     # num_output)
     num_output: int = 0
+    # chunked prefill: prompt tokens the stages compute this step past its cached prefix (None:
+    # all of them). Its first token comes only from the step whose chunk reaches the prompt's
+    # end; until then the plan carries it in `prefills` (StepPlan)
+    chunk: int | None = None
 
 
 @dataclass
@@ -50,6 +54,11 @@ class StepPlan:
     # in `new`, with its output so far in its prompt)
     release: list[str] = field(default_factory=list)
     new: list[NewRequest] = field(default_factory=list)  # prefill this step (drafted = 0)
+    # requests continuing a chunked prefill: compute prompt positions [start, end) (the stages'
+    # KV holds exactly `start` of them); the chunk ending at the prompt's end yields the token
+    prefills: list[str] = field(default_factory=list)
+    prefill_starts: list[int] = field(default_factory=list)
+    prefill_ends: list[int] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)  # verify this step
     last_tokens: list[int] = field(default_factory=list)  # per decode rid: newest token, not in KV
     kv_lens: list[int] = field(default_factory=list)  # per decode rid: committed KV length
@@ -67,8 +76,19 @@ class StepPlan:
 
     @property
     def rids(self) -> list[str]:
-        """The step's requests in message order: prefills, then verifies."""
-        return [n.rid for n in self.new] + self.decode
+        """The step's requests in forward order: new prefills, continuing prefill chunks, then
+        verifies. The outcome holds only those that yield a token: the prefills whose chunk
+        ended their prompt (same order), then every verify."""
+        return [n.rid for n in self.new] + self.prefills + self.decode
+
+    @property
+    def num_tokens(self) -> int:
+        """The most tokens the step's target forward computes (what `max_num_batched_tokens`
+        bounds): each prefill's chunk (its whole prompt when unchunked; a cache hit only makes
+        it less) and 1 + the draft bound per verify."""
+        return (sum(len(n.prompt_ids) if n.chunk is None else n.chunk for n in self.new)
+                + sum(e - s for s, e in zip(self.prefill_starts, self.prefill_ends))
+                + sum(k + 1 for k in self.draft_bounds))
 
     @property
     def draft_bounds(self) -> list[int]:

@@ -5,8 +5,9 @@ float columns float64 `bin` (draft probabilities float32), so a plain `msgpack.u
 every message into dicts, lists, strings, numbers and bytes. Wire layouts (B requests):
 
     new       rid str, prompt bin i32, params {every SamplingParams field; grammar nil or
-              {kind, compiled}}
-    plan      step int, rel [rid], new [{rid, prompt, params}], dec [rid] (D of them),
+              {kind, compiled}}, tenant str, nout int, chunk int >= 1 | nil
+    plan      step int, rel [rid], new [{rid, prompt, params, ...}], pre [rid] (P of them),
+              pst/pend bin i32[P] (0 <= start < end), dec [rid] (D of them),
               last/kv/nout/ks bin i32[D], caps bin i32[D or 0], gain bin f64[D or 0] (+inf:
               no draft can reach the floor),
               com/fin {rid: bin i32}, tp str|nil
@@ -67,11 +68,11 @@ SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos",
                    "top_p", "top_k", "seed", "min_new_tokens", "grammar")
 _PARAM_KEYS = frozenset(SAMPLING_FIELDS)
 _GRAMMAR_KEYS = frozenset({"kind", "compiled"})
-_NEW_BODY = frozenset({"rid", "prompt", "params", "tenant", "nout"})
+_NEW_BODY = frozenset({"rid", "prompt", "params", "tenant", "nout", "chunk"})
 MAX_TENANT_CHARS = 64  # a tenant is a 32-hex-digit hash (pipeline.frontend.tenant)
 _NEW_KEYS = _NEW_BODY | {"v", "m"}
-_PLAN_KEYS = frozenset({"v", "m", "step", "rel", "new", "dec", "last", "kv", "nout", "ks",
-                        "caps", "gain", "com", "fin", "tp"})
+_PLAN_KEYS = frozenset({"v", "m", "step", "rel", "new", "pre", "pst", "pend", "dec", "last",
+                        "kv", "nout", "ks", "caps", "gain", "com", "fin", "tp"})
 _PROPOSAL_KEYS = frozenset({"v", "m", "n", "tok", "pm", "pv", "pq", "cf", "s"})
 _OUTCOME_KEYS = frozenset({"v", "m", "step", "rids", "len", "tok", "draft", "exp", "ds",
                            "cached", "kvd"})
@@ -91,7 +92,8 @@ def decode_new_request(payload: Any) -> NewRequest:
 
 def _new_body(req: NewRequest) -> dict[str, Any]:
     return {"rid": req.rid, "prompt": to_bin(req.prompt_ids, I32, "prompt_ids"),
-            "params": _params_map(req.params), "tenant": req.tenant, "nout": req.num_output}
+            "params": _params_map(req.params), "tenant": req.tenant, "nout": req.num_output,
+            "chunk": req.chunk}
 
 
 def _new_request(body: Any, where: str) -> NewRequest:
@@ -101,8 +103,10 @@ def _new_request(body: Any, where: str) -> NewRequest:
     tenant = want_str(body["tenant"], f"{where}.tenant", MAX_TENANT_CHARS)
     # a resumed (preempted) request's output so far is the end of its prefill
     num_output = want_int(body["nout"], f"{where}.nout", 0, max(0, len(prompt) - 1))
+    chunk = body["chunk"]  # a chunked prefill's first chunk: at least one token
+    chunk = None if chunk is None else want_int(chunk, f"{where}.chunk", 1)
     return NewRequest(rid, prompt, _params(body["params"], f"{where}.params"), tenant,
-                      num_output)
+                      num_output, chunk)
 
 
 def _params_map(p: SamplingParams) -> dict[str, Any]:
@@ -145,7 +149,9 @@ def _grammar(raw: Any, where: str) -> Any:
 def encode_plan(plan: StepPlan) -> bytes:
     return pack({
         "v": PLAN_VERSION, "m": "plan", "step": plan.step, "rel": plan.release,
-        "new": [_new_body(n) for n in plan.new], "dec": plan.decode,
+        "new": [_new_body(n) for n in plan.new], "pre": plan.prefills,
+        "pst": to_bin(plan.prefill_starts, I32, "prefill_starts"),
+        "pend": to_bin(plan.prefill_ends, I32, "prefill_ends"), "dec": plan.decode,
         "last": to_bin(plan.last_tokens, I32, "last_tokens"),
         "kv": to_bin(plan.kv_lens, I32, "kv_lens"),
         "nout": to_bin(plan.num_outputs, I32, "num_outputs"),
@@ -162,14 +168,24 @@ def decode_plan(payload: Any) -> StepPlan:
     if type(msg["new"]) is not list or len(msg["new"]) > MAX_BATCH:
         raise ProtocolError(f"plan.new must be a list of at most {MAX_BATCH} requests")
     new = [_new_request(n, "plan.new") for n in msg["new"]]
+    prefills = want_rids(msg["pre"], "plan.pre")
+    starts = int_list(msg["pst"], len(prefills), "plan.pst")
+    ends = int_list(msg["pend"], len(prefills), "plan.pend", 1)
+    bad = next((i for i, (s, e) in enumerate(zip(starts, ends)) if s >= e), None)
+    if bad is not None:
+        raise ProtocolError(f"plan: prefill chunk of {prefills[bad]!r} is empty or reversed "
+                            f"([{starts[bad]}, {ends[bad]}))")
     decode = want_rids(msg["dec"], "plan.dec")
     d = len(decode)
-    if len({n.rid for n in new} | set(decode)) != len(new) + d:
-        raise ProtocolError("plan: a request appears twice among new and dec")
+    if len({n.rid for n in new} | set(prefills) | set(decode)) != len(new) + len(prefills) + d:
+        raise ProtocolError("plan: a request appears twice among new, pre and dec")
     return StepPlan(
         step=want_int(msg["step"], "plan.step", 0, 1 << 62),
         release=want_rids(msg["rel"], "plan.rel"),
         new=new,
+        prefills=prefills,
+        prefill_starts=starts,
+        prefill_ends=ends,
         decode=decode,
         last_tokens=int_list(msg["last"], d, "plan.last"),
         kv_lens=int_list(msg["kv"], d, "plan.kv"),

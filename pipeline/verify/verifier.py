@@ -45,6 +45,11 @@ class Verifier:
         self.kv_digest = b""  # after the last step (RankReport / StepOutcome.kv_digest)
         self._slots: dict[str, int] = {}
         self._params: dict[str, SamplingParams] = {}
+        # chunked prefills under way: prompt ids and output so far (a resumed request's), until
+        # the chunk that ends the prompt; then its output position until that step's acceptance
+        self._prefilling: dict[str, tuple[list[int], int]] = {}
+        self._num_output: dict[str, int] = {}
+        self._hits: dict[str, int] = {}  # per prefill under way: its prefix-cache hit (spans)
         # The driver's grammar matchers mask the logits of constrained requests (the tokenizer
         # is only needed once one arrives).
         self.grammars = GrammarTracker(lambda: runner.tokenizer)
@@ -53,21 +58,41 @@ class Verifier:
         for rid in rids:
             slot = self._slots.pop(rid, None)
             self._params.pop(rid, None)
+            self._prefilling.pop(rid, None)
+            self._num_output.pop(rid, None)
+            self._hits.pop(rid, None)
             if slot is not None:
                 self.runner.free(slot)
 
     def step(self, plan: StepPlan, proposal: Proposal | None) -> StepOutcome | None:
         """Run one step; the driver returns its outcome (with the encoded message)."""
         self.release(plan.release)
-        cached = []
+        # continuing chunks are checked first: one that does not continue its prefill on this
+        # rank (a plan out of step with the stage) is refused before any slot or forward
+        more = [self._next_chunk(*c) for c in zip(plan.prefills, plan.prefill_starts,
+                                                  plan.prefill_ends)]
+        cached, chunks = [], []  # chunks: (rid, prompt ids, start, end) in forward order
         for new in plan.new:
             if new.rid in self._slots:
                 raise ValueError(f"verifier: request {new.rid!r} is already running")
             slot = self._slots[new.rid] = self.runner.allocate()
             self._params[new.rid] = new.params
-            cached.append(self.runner.attach_prefix(slot, new.prompt_ids))
+            hit = self.runner.attach_prefix(slot, new.prompt_ids)
+            cached.append(hit)
+            self._hits[new.rid] = hit
+            end = len(new.prompt_ids) if new.chunk is None else min(len(new.prompt_ids),
+                                                                     hit + new.chunk)
+            chunks.append((new.rid, new.prompt_ids, hit, end))
+            if end < len(new.prompt_ids):  # the rest comes in later plans' `prefills`
+                self._prefilling[new.rid] = (new.prompt_ids, new.num_output)
+            else:
+                self._num_output[new.rid] = new.num_output
         if plan.new and self.agree is not None:  # the hits set this forward's shapes
             self.agree(self.runner.cache.digest(), f"step {plan.step}'s prefix-cache hits")
+        for rid, ids, _, end in more:
+            if end == len(ids):  # its last chunk: the token's output position, until acceptance
+                self._num_output[rid] = self._prefilling.pop(rid)[1]
+        chunks += more
         if self.driver:
             self.grammars.apply(plan)
         if not plan.rids:  # a release-only plan
@@ -75,22 +100,31 @@ class Verifier:
             return StepOutcome(plan.step, [], [], [], kv_digest=self.kv_digest) \
                 if self.driver else None
         drafts = self._drafts(plan, proposal)
-        logits, decode_s = self._forward(plan, drafts, cached)
+        logits, decode_s = self._forward(plan, chunks, drafts)
         self.kv_digest = self.runner.cache.digest()
+        # a prefill yields its first token only from the chunk that ends its prompt
+        done = [i for i, (_, ids, _, end) in enumerate(chunks) if end == len(ids)]
+        positions = [self._num_output.pop(chunks[i][0]) for i in done] + list(plan.num_outputs)
+        hits = [self._hits.pop(chunks[i][0]) for i in done]
         if not self.driver:
             return None
         start = time.perf_counter()
-        params = [self._params[rid] for rid in plan.rids]
-        positions = [n.num_output for n in plan.new] + list(plan.num_outputs)
-        all_drafts = [[] for _ in plan.new] + drafts
-        q = self._draft_probs(plan, proposal, all_drafts)
-        allowed = self.grammars.masks(plan.rids, all_drafts,
-                                      max(len(d) for d in all_drafts) + 1, logits[0].shape[-1])
-        result = _accept(logits, all_drafts, params, positions, q, self.generator, allowed)
-        outcome = _outcome(plan, result, all_drafts, params, cached)
+        rids = [chunks[i][0] for i in done] + plan.decode
+        logits = [logits[i] for i in done] + logits[len(chunks):]
+        params = [self._params[rid] for rid in rids]
+        all_drafts = [[] for _ in done] + drafts
+        outcome = StepOutcome(plan.step, [], [], [], cached=cached)
+        if rids:
+            q = self._draft_probs(proposal, all_drafts, len(done))
+            allowed = self.grammars.masks(rids, all_drafts, max(len(d) for d in all_drafts) + 1,
+                                          logits[0].shape[-1])
+            result = _accept(logits, all_drafts, params, positions, q, self.generator, allowed)
+            outcome = _outcome(plan.step, rids, plan.traceparent, result, all_drafts, params,
+                               hits, len(plan.decode))
+            outcome.cached = cached
         outcome.kv_digest = self.kv_digest
         if proposal is not None and proposal.confidence is not None:
-            outcome.expected = [None] * len(plan.new) + [
+            outcome.expected = [None] * len(done) + [
                 float(sum(c[: len(d)])) for c, d in zip(proposal.confidence, drafts)]
         if plan.decode and decode_s is not None:
             # what the decodes cost: drafting, their forward, acceptance
@@ -102,6 +136,17 @@ class Verifier:
         """What a rank other than the driver sends back after `step`."""
         return RankReport(step, rank, self.kv_digest)
 
+    def _next_chunk(self, rid: str, start: int, end: int) -> tuple[str, list[int], int, int]:
+        """A continuing prefill's chunk [start, end), checked against what this rank holds."""
+        if rid not in self._prefilling:
+            raise ValueError(f"verifier: request {rid!r} has no prefill under way")
+        ids = self._prefilling[rid][0]
+        held = self.runner.length(self._slots[rid])
+        if start != held or end > len(ids):
+            raise ValueError(f"verifier: chunk [{start}, {end}) of {rid!r} does not continue "
+                             f"its prefill ({held} of {len(ids)} tokens computed)")
+        return rid, ids, start, end
+
     def _drafts(self, plan: StepPlan, proposal: Proposal | None) -> list[list[int]]:
         """Drafts per decode rid, at most the plan's bound and never past the slot's max_len."""
         if proposal is None:
@@ -109,40 +154,39 @@ class Verifier:
         limits = plan.draft_limits(self.runner.max_len)
         return [list(tokens[:n]) for tokens, n in zip(proposal.tokens, limits)]
 
-    def _forward(self, plan: StepPlan, drafts: list[list[int]], cached: list[int]
-                 ) -> tuple[list[torch.Tensor], float | None]:
-        """Logits per rid in message order: [1, V] for a prefill, [1 + k_i, V] for a verify;
+    def _forward(self, plan: StepPlan, chunks: list[tuple[str, list[int], int, int]],
+                 drafts: list[list[int]]) -> tuple[list[torch.Tensor], float | None]:
+        """Logits per run in forward order: [1, V] per prefill chunk, [1 + k_i, V] per verify;
         and the seconds the forward took when it held decodes only (None with a prefill: that
         time is not what the decodes cost).
 
-        One forward for prefills and decodes alike: a forward's fixed cost (every weight read
-        once, ~60 ms of SmolLM2 on one CPU thread) is paid once a step, not again for each step
-        that admits a request (at batch 8, requests that end at different steps are admitted
-        one at a time)."""
-        slots = [self._slots[n.rid] for n in plan.new]
-        runs = [n.prompt_ids[c:] for n, c in zip(plan.new, cached)]  # past the cached prefix
+        One forward for prefill chunks and decodes alike: a forward's fixed cost (every weight
+        read once, ~60 ms of SmolLM2 on one CPU thread) is paid once a step, not again for each
+        step that admits a request (at batch 8, requests that end at different steps are
+        admitted one at a time)."""
+        slots = [self._slots[rid] for rid, _, _, _ in chunks]
+        runs = [ids[start:end] for _, ids, start, end in chunks]  # past the cached prefix
         decode_slots = [self._slots[rid] for rid in plan.decode]
         for slot, kv_len in zip(decode_slots, plan.kv_lens):
             self.runner.truncate(slot, kv_len)  # lazy commit of the previous step
         slots += decode_slots
         runs += [[last] + d for last, d in zip(plan.last_tokens, drafts)]
         start = time.perf_counter()
-        logits = self.runner.forward(slots, runs, last_only=[True] * len(plan.new)
+        logits = self.runner.forward(slots, runs, last_only=[True] * len(chunks)
                                      + [False] * len(plan.decode))
         seconds = time.perf_counter() - start
-        for slot in slots[: len(plan.new)]:  # a prompt is committed: its full blocks cacheable
+        for slot in slots[: len(chunks)]:  # prompt tokens are committed: full blocks cacheable
             self.runner.truncate(slot, self.runner.length(slot))
-        return logits, seconds if not plan.new else None
+        return logits, seconds if not chunks else None
 
-    def _draft_probs(self, plan: StepPlan, proposal: Proposal | None,
-                     drafts: list[list[int]]) -> torch.Tensor | None:
+    def _draft_probs(self, proposal: Proposal | None, drafts: list[list[int]],
+                     offset: int) -> torch.Tensor | None:
         """[B, K, V] q for the sampled rows (zeros elsewhere), or None (all point masses)."""
         if proposal is None or proposal.probs is None or all(p is None for p in proposal.probs):
             return None
         width = max((len(d) for d in drafts), default=0)
         vocab = self.runner.vocab_size
         q = torch.zeros((len(drafts), width, vocab), device=self.runner.device)
-        offset = len(plan.new)
         for i, (p, d) in enumerate(zip(proposal.probs, drafts[offset:])):
             if p is not None and d:
                 # a CPU tensor in process, a numpy array after crossing one (step_codec)
@@ -174,8 +218,9 @@ def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[Sa
                   num_top_logprobs=top_n, generator=generator, allowed=mask)
 
 
-def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],
-             params: list[SamplingParams], cached: list[int]) -> StepOutcome:
+def _outcome(step: int, rids: list[str], traceparent: str | None, result: AcceptanceResult,
+             drafts: list[list[int]], params: list[SamplingParams], hits: list[int],
+             num_decode: int) -> StepOutcome:
     lengths = result.num_tokens.cpu().numpy().astype(np.int64)
     keep = np.arange(result.token_ids.shape[1])[None, :] < lengths[:, None]
     tokens = result.token_ids.cpu().numpy()[keep].astype(np.int64)
@@ -191,15 +236,15 @@ def _outcome(plan: StepPlan, result: AcceptanceResult, drafts: list[list[int]],
             [vals[i, :n, :t].reshape(-1) for i, (n, t) in enumerate(zip(lengths, tn))]
         ).astype(np.float64)
     cols = StepColumns(
-        step=plan.step, rids=plan.rids, lengths=lengths,
+        step=step, rids=rids, lengths=lengths,
         drafted=np.array([len(d) for d in drafts], dtype=np.int64), tokens=tokens,
         logprobs=result.logprobs.cpu().numpy()[keep].astype(np.float64),
         top_n=top_n, top_ids=top_ids, top_logprobs=top_lps,
-        traceparent=plan.traceparent, time=time.time(),
-        # a step that prefills tells the output stage what the prefix cache served (its spans)
-        cached=np.array(cached + [0] * len(plan.decode), dtype=np.int64) if plan.new else None,
+        traceparent=traceparent, time=time.time(),
+        # a step that ends prefills tells the output stage what the prefix cache served them
+        # (its spans): per row, prefills first
+        cached=np.array(hits + [0] * num_decode, dtype=np.int64) if hits else None,
     )
     token_lists = [t.tolist() for t in np.split(tokens, np.cumsum(lengths)[:-1])]
-    return StepOutcome(step=plan.step, rids=plan.rids, tokens=token_lists,
-                       drafted=[len(d) for d in drafts], payload=encode_columns(cols),
-                       cached=cached)
+    return StepOutcome(step=step, rids=rids, tokens=token_lists,
+                       drafted=[len(d) for d in drafts], payload=encode_columns(cols))

@@ -1,6 +1,7 @@
 """The engine on Ray: TP=1 and TP=2 (two verifier actors) give target-only greedy output through
 the streaming `generate` (TP=1 drafts with a draft model at fixed k, so drafts are verified
-whatever the measured step costs; TP=2 drafts n-grams at adaptive k); abort; a killed draft
+whatever the measured step costs; TP=2 drafts n-grams at adaptive k, its prompts chunked by a
+small step budget); abort; a killed draft
 actor or verifier rank fails in-flight requests quickly, the engine reports unhealthy, then
 rebuilds its stage actors."""
 
@@ -35,7 +36,10 @@ def engines(ray_cluster):
         # Adaptive k may rightly draft nothing here: the tiny draft model costs what the target
         # does, and on a slow machine no draft pays at batch 8.
         "tp1": start_engine(load_config("configs/tiny.yaml", {"speculation": "fixed"})),
-        "tp2": start_engine(load_config("configs/tiny-tp2.yaml", {"draft": "ngram"})),
+        # TP=2 with a small chunk budget: prompts over it are prefilled in chunks that both
+        # ranks take from the plan
+        "tp2": start_engine(load_config("configs/tiny-tp2.yaml", {"draft": "ngram",
+                                                                  "max_num_batched_tokens": 24})),
     }
     yield handles
     for h in handles.values():
