@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from pipeline import validate as check
+from pipeline.deployment import DeploymentSettings, parse_deployment
 from pipeline.gc_tuning import DEFAULT_GEN0_THRESHOLD
 from pipeline.model_files import smollm2_path
 from pipeline.placement import Placement, parse_placement
@@ -120,6 +121,8 @@ class EngineConfig:
     tracing: dict[str, Any] = field(default_factory=dict)
     # Where the actors go on a multi-node cluster (pipeline.placement); {} = anywhere, ranks PACKed.
     placement: dict[str, Any] = field(default_factory=dict)
+    # Replicas, routing and autoscaling of the engine deployment (pipeline.deployment).
+    deployment: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -189,6 +192,9 @@ class EngineConfig:
         if type(self.placement) is not dict:
             raise ValueError("placement: must be a mapping")
         parse_placement(self.placement)
+        if type(self.deployment) is not dict:
+            raise ValueError("deployment: must be a mapping")
+        parse_deployment(self.deployment)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError("device: must be a device string such as cpu or cuda")
 
@@ -204,6 +210,10 @@ class EngineConfig:
     @property
     def placement_spec(self) -> Placement:
         return parse_placement(self.placement)
+
+    @property
+    def deployment_settings(self) -> DeploymentSettings:
+        return parse_deployment(self.deployment)
 
     @property
     def served_name(self) -> str:

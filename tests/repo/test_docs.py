@@ -19,6 +19,7 @@ import yaml
 from support.paths import ROOT
 
 from pipeline.config import EngineConfig
+from pipeline.deployment import Autoscaling, DeploymentSettings
 from pipeline.placement import Placement
 from pipeline.tracing.otel import CONFIG_KEYS, TracingConfig
 
@@ -181,11 +182,16 @@ def fields_of(cls: type, prefix: str = "") -> dict[str, Any]:
 
 def documented_fields() -> dict[str, Any]:
     """Every key an engine config accepts, with its default: the EngineConfig fields, and the
-    keys of the two mapping sections (placement: Placement's fields; tracing: CONFIG_KEYS,
+    keys of the mapping sections (placement: Placement's fields; deployment: DeploymentSettings'
+    and Autoscaling's; tracing: CONFIG_KEYS,
     defaults from TracingConfig where the key is a setting of its own, None where the code
     derives it: the service name, the endpoints)."""
     out = fields_of(EngineConfig)
     out |= {f"placement.{k}": v for k, v in fields_of(Placement).items()}
+    out |= {f"deployment.{k}": v for k, v in fields_of(DeploymentSettings).items()
+            if k != "autoscaling"}
+    out["deployment.autoscaling"] = None
+    out |= {f"deployment.autoscaling.{k}": v for k, v in fields_of(Autoscaling).items()}
     tracing_defaults = {f.name: f.default for f in dataclasses.fields(TracingConfig)}
     for key in CONFIG_KEYS:
         derived = key in ("service_name", "otlp_endpoint", "otlp_traces_endpoint")
