@@ -1,7 +1,8 @@
 """Replica loss (issue 44, must-show 4): two engine replicas serve streams; one replica's Engine
 actor is SIGKILLed mid-traffic. Its in-flight requests end with an error within 10 s, the other
-replica's requests finish with 0 errors, /health stays 200 throughout (one replica serves), and
-Serve replaces the lost replica (a new one under a new id, serving again).
+replica's requests finish with 0 errors, /health stays 200 throughout (one replica serves),
+Serve replaces the lost replica (a new one under a new id, serving again), and prefix routing,
+which forgot the lost replica, sends a repeated prompt back to the cache that holds it.
 
 Which replica served a request is read from the replicas' `spec.replica.request` spans (file
 exporter), whose `request.id` is the response id plus the choice index."""
@@ -80,7 +81,7 @@ def test_losing_one_replica_ends_only_its_requests_and_serve_replaces_it(ray_clu
     overrides = {"max_model_len": 2048, "draft": "none", "tracing": tracing}
     with running_app({"config": os.path.join(ROOT, "configs", "tiny.yaml"), "api_key": "",
                       "overrides": overrides,
-                      "deployment": {"replicas": 2, "routing": "pow2"}}, name=APP) as base:
+                      "deployment": {"replicas": 2, "routing": "prefix"}}, name=APP) as base:
         before = engine_actors()
         assert len(before) == 2
         watch = HealthWatch(base)
@@ -102,8 +103,10 @@ def test_losing_one_replica_ends_only_its_requests_and_serve_replaces_it(ray_clu
                 break
             assert time.monotonic() < deadline, now
             time.sleep(1)
-        after = httpx.post(f"{base}/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "again", "max_tokens": 8, "ignore_eos": True})
+        # Prefix affinity re-learns: a prompt sent twice reaches the cache of its first replica.
+        again = [httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "again and again " * 8, "max_tokens": 8,
+            "ignore_eos": True}) for _ in range(2)]
         watch.close()
 
     served_by = {s.attributes["request.id"]: s.attributes["serve.replica"]
@@ -121,4 +124,5 @@ def test_losing_one_replica_ends_only_its_requests_and_serve_replaces_it(ray_clu
         assert s.end == "error" and s.ended_at - killed_at <= ERROR_WITHIN_S, ends
     assert [s.end for s in kept] == ["length"] * len(kept), ends
     assert watch.statuses() and set(watch.statuses()) == {200}, watch.reasons
-    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8
+    assert [r.status_code for r in again] == [200, 200]
+    assert again[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 112
