@@ -29,3 +29,22 @@ def test_specrelay_serve_binds_loopback_and_requires_the_key(tmp_path):
     time.sleep(0.5)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{base}/health", timeout=2)
+
+
+def test_specrelay_serve_replicas_flag_runs_two_engines_behind_one_ingress(tmp_path):
+    with serve_process(os.path.join(ROOT, "configs", "tiny.yaml"), tmp_path,
+                       {"RAY_AUTH_MODE": "token"}, ["--replicas", "2", "--routing", "pow2"],
+                       ready_timeout=180) as run:
+        for _ in range(4):
+            r = httpx.post(f"{run.base}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        text = httpx.get(f"{run.base}/metrics", timeout=30).text
+        healthy = [line for line in text.splitlines()
+                   if line.startswith("specrelay_engine_healthy{")]
+        assert len(healthy) == 2 and all('replica="' in h and h.endswith(" 1.0")
+                                          for h in healthy), healthy
+        steps = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("specrelay_engine_steps_total{")]
+        assert len(steps) == 2 and sum(steps) >= 4
+    assert run.rc == 0, run.log_path.read_text()[-3000:]
