@@ -89,7 +89,7 @@ class SpecrelayServer:
     """The ingress replica: the HTTP app over the engine deployment (`engine`, a handle)."""
 
     async def __init__(self, config_path: str | None, overrides: dict[str, Any],
-                       settings: dict[str, Any], engine: Any = None) -> None:
+                       settings: dict[str, Any], engine: Any) -> None:
         # lazy: the tokenizer loaders import torch, needed in the replica, not in `serve`
         from pipeline.models.runners import load_engine_tokenizer
 
@@ -135,19 +135,23 @@ def replica_config(config_path: str | None, overrides: dict[str, Any],
     return config, ServerSettings(**settings)
 
 
-def deployment_section(args: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
+def deployment_section(args: dict[str, Any], config: EngineConfig,
+                       ) -> tuple[dict[str, Any], DeploymentSettings]:
     """The engine deployment's `deployment:` section: the config's (file, then `overrides`),
     then args' `deployment` keys (blank ones dropped; `autoscaling: null` turns it off), then
-    `num_replicas` (a fixed count: autoscaling off). Validated (ValueError naming the key)."""
+    `num_replicas` (a fixed count: autoscaling off); and its parsed settings (ValueError naming
+    the key)."""
+    given = args.get("deployment") or {}
+    if not isinstance(given, dict):
+        raise ValueError("deployment: must be a mapping")  # noqa: TRY004 - an args error
     raw = dict(config.deployment)
-    for key, value in (args.get("deployment") or {}).items():
+    for key, value in given.items():
         if value == "" or (value is None and key != "autoscaling"):
             continue
         raw[key] = value
     if args.get("num_replicas") is not None:
         raw.update(replicas=int(args["num_replicas"]), autoscaling=None)
-    parse_deployment(raw)
-    return raw
+    return raw, parse_deployment(raw)
 
 
 def engine_options(settings: DeploymentSettings, config: EngineConfig) -> dict[str, Any]:
@@ -171,12 +175,12 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     config_path = args.get("config")
     overrides = engine_overrides(args.get("overrides"))
     config = load_config(resolve_config_path(config_path), overrides)
-    section = deployment_section(args, config)
+    section, settings = deployment_section(args, config)
     grace: dict[str, Any] = {}
     if "drain_grace_s" in args:  # both: the ingress's streams and each replica's
         grace["graceful_shutdown_timeout_s"] = float(args["drain_grace_s"])
     engine = EngineReplica.options(
-        **engine_options(parse_deployment(section), config), **grace,
+        **engine_options(settings, config), **grace,
     ).bind(config_path, {**overrides, "deployment": section})
     ingress = SpecrelayServer.options(**grace) if grace else SpecrelayServer
     return ingress.bind(config_path, overrides, server_settings(args), engine=engine)

@@ -81,6 +81,8 @@ def test_build_app_turns_on_autoscaling_and_drains_both_deployments():
     assert app._bound_deployment._deployment_config.graceful_shutdown_timeout_s == 12
     with pytest.raises(ValueError, match="deployment.routing"):
         build_app({"config": None, "deployment": {"routing": "random"}})
+    with pytest.raises(ValueError, match="deployment: must be a mapping"):
+        build_app({"config": None, "deployment": "two"})
 
 
 def test_cli_replicas_and_routing_flags():
