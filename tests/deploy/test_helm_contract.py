@@ -18,10 +18,20 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.helm_chart import REPO, crd_errors, env_of, one, pod_specs, ray_container, render
+from support.helm_chart import (
+    REPO,
+    crd_errors,
+    env_of,
+    one,
+    pod_specs,
+    ray_container,
+    render,
+    worker_group,
+)
 
 from actors.serve_app import replica_config
 from pipeline.config import EngineConfig
+from pipeline.deployment import Autoscaling, DeploymentSettings
 from pipeline.frontend.app import API_KEY_ENV, ServerSettings
 from pipeline.tracing.otel import resolve_config
 
@@ -31,7 +41,7 @@ IMAGE_ROOT = "/app"  # WORKDIR of docker/Dockerfile, where it copies configs/
 # Value sets the chart is rendered with: (id, --set arguments, --set-json arguments).
 VALUE_SETS = {
     "defaults": ((), ()),
-    "tp2-model-draft": (("specrelay.tensorParallelSize=2", "worker.gpus=2",
+    "tp2-model-draft": (("specrelay.tensorParallelSize=2", "worker.gpus=4",
                          "specrelay.draft.kind=model", "specrelay.draft.model=/models/draft",
                          "specrelay.draft.numSpeculativeTokens=5"), ()),
     "api-key-existing-secret": (("specrelay.apiKey.existingSecret=team-llm-key",
@@ -45,6 +55,18 @@ VALUE_SETS = {
         ("specrelay.tensorParallelSize=2", "worker.gpus=2", "worker.replicas=2"),
         (('specrelay.placement={"verifierStrategy": "STRICT_PACK", '
           '"draftResources": {"draft_node": 0.5}, "engineResources": {"cpu_pool": 1}}'),)),
+    "replicas-2-pow2": (("specrelay.deployment.replicas=2", "specrelay.deployment.routing=pow2",
+                         "specrelay.deployment.imbalanceThreshold=3", "worker.replicas=2"), ()),
+    "autoscaling-tp2": (
+        ("specrelay.tensorParallelSize=2", "worker.gpus=2",
+         "specrelay.deployment.autoscaling.enabled=true"),
+        (('specrelay.deployment.autoscaling={"enabled": true, "minReplicas": 2, "maxReplicas": 4, '
+          '"targetOngoingRequests": 2.5, "upscaleDelaySeconds": 5, "downscaleDelaySeconds": 60}'),)),
+    "autoscaling-from-zero-model-draft": (
+        ("specrelay.tensorParallelSize=4", "worker.gpus=8", "specrelay.draft.kind=model",
+         "specrelay.draft.model=/models/draft", "specrelay.deployment.autoscaling.enabled=true",
+         "specrelay.deployment.autoscaling.minReplicas=0",
+         "specrelay.deployment.autoscaling.maxReplicas=6"), ()),
 }
 
 
@@ -94,6 +116,33 @@ def test_rendered_serve_config_builds_a_replica_config(name):
     group = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = int(group["rayStartParams"]["num-gpus"]) * group["replicas"]
     assert config.tensor_parallel_size <= gpus, "not enough GPUs for one verifier per rank"
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_deployment_values_become_the_config_deployment_settings(name):
+    """specrelay.deployment.* -> the engine config's `deployment:` section, parsed by the code."""
+    config, _ = build_replica(yaml.safe_load(rendered(name)["spec"]["serveConfigV2"]))
+    assert config.deployment_settings == expected_deployment(chart_values(name))
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_the_worker_group_holds_the_most_engine_replicas_the_config_allows(name):
+    """GPUs the engine replicas take at most (each: a GPU per TP rank, and one for a model draft
+    on cuda, as actors/engine.py places them) fit in the worker group's largest size, and with
+    autoscaling the chart turns KubeRay's autoscaler on."""
+    rs = rendered(name)
+    config, _ = build_replica(yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    deployment = config.deployment_settings
+    cluster = rs["spec"]["rayClusterConfig"]
+    group = worker_group(rs)
+    most = deployment.replicas if deployment.autoscaling is None else (
+        deployment.autoscaling.max_replicas)
+    per_replica = config.tensor_parallel_size + (config.draft == "model")
+    pods = group["maxReplicas"] if deployment.autoscaling else group["replicas"]
+    assert most * per_replica <= pods * int(group["rayStartParams"]["num-gpus"])
+    assert cluster["enableInTreeAutoscaling"] is (deployment.autoscaling is not None)
+    if deployment.autoscaling is not None:
+        assert group["minReplicas"] >= 1  # Serve's proxy (the Service's endpoint) on a worker
 
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
@@ -214,6 +263,9 @@ def test_strict_pack_wider_than_a_worker_fails_to_render():
     (("overrides", "placement", "verifier_strategy"), "pack", "verifier_strategy"),
     (("overrides", "tracing"), {"exporter": "otlp-grpc"}, "tracing"),
     (("overrides", "speculative_tokens"), 4, "speculative_tokens"),
+    (("overrides", "deployment", "routing"), "round_robin", "deployment.routing"),
+    (("overrides", "deployment", "autoscaling"), {"min_replicas": 1, "max_replica": 2},
+     "max_replica"),
 ])
 def test_a_value_the_code_rejects_fails_the_contract(path, value, field):
     serve_config = yaml.safe_load(rendered("defaults")["spec"]["serveConfigV2"])
@@ -243,11 +295,27 @@ def chart_values(name: str) -> dict:
     sets, json_sets = VALUE_SETS[name]
     for s in sets:
         key, raw = s.split("=", 1)
-        _assign(values, key, int(raw) if raw.isdigit() else raw)
+        _assign(values, key, {"true": True, "false": False}.get(raw, int(raw) if raw.isdigit()
+                                                                else raw))
     for s in json_sets:
         key, raw = s.split("=", 1)
         _assign(values, key, json.loads(raw))
     return values
+
+
+def expected_deployment(values: dict) -> DeploymentSettings:
+    """The DeploymentSettings the chart's values mean (docs/config.md's `chart` column)."""
+    d = values["specrelay"]["deployment"]
+    a = d["autoscaling"]
+    autoscaling = None
+    if a["enabled"]:
+        autoscaling = Autoscaling(
+            min_replicas=a["minReplicas"], max_replicas=a["maxReplicas"],
+            target_ongoing_requests=a["targetOngoingRequests"],
+            upscale_delay_s=a["upscaleDelaySeconds"],
+            downscale_delay_s=a["downscaleDelaySeconds"])
+    return DeploymentSettings(replicas=d["replicas"], routing=d["routing"],
+                              imbalance_threshold=d["imbalanceThreshold"], autoscaling=autoscaling)
 
 
 def _assign(values: dict, dotted: str, value: object) -> None:
