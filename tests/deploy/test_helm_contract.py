@@ -277,6 +277,23 @@ def test_a_value_the_code_rejects_fails_the_contract(path, value, field):
         build_replica(serve_config)
 
 
+def test_every_chart_value_the_config_reference_names_is_in_the_chart():
+    """docs/config.md's `chart` column names values.yaml keys that exist (a renamed value shows)."""
+    text = (REPO / "docs" / "config.md").read_text()
+    values = yaml.safe_load((REPO / "helm/specrelay/values.yaml").read_text())
+    named = set()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 5:
+            named |= set(re.findall(r"`(specrelay\.[A-Za-z.]+)`", cells[-1]))
+    assert "specrelay.deployment.autoscaling.targetOngoingRequests" in named
+    for dotted in sorted(named):
+        node = values
+        for key in dotted.split("."):
+            assert isinstance(node, dict) and key in node, f"docs/config.md names {dotted}"
+            node = node[key]
+
+
 def test_the_image_holds_the_configs_where_the_chart_looks():
     text = DOCKERFILE.read_text()
     assert re.search(rf"^WORKDIR {IMAGE_ROOT}$", text, re.MULTILINE), "Dockerfile WORKDIR moved"
