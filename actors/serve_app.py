@@ -1,13 +1,25 @@
-"""Ray Serve wiring: one deployment whose replica owns an Engine actor and serves the FastAPI app.
+"""Ray Serve wiring: two deployments in one application, as Ray Serve LLM builds it.
+
+- `SpecrelayServer`, the ingress: the OpenAI FastAPI app (pipeline/frontend/app.py) and the
+  tokenizer, no model. Its engine client (actors/replica_client.py) calls the engine deployment
+  through a deployment handle with the parsed request (pipeline/protocol/engine_call.py), so the
+  request router sees the prompt's token ids.
+- `EngineReplica` (actors/engine_replica.py): each replica owns a whole engine. How many, and
+  how requests reach them, is the config's `deployment:` section (pipeline/deployment.py):
+  `num_replicas` or `autoscaling_config`, and the request router (`prefix`: actors/
+  prefix_router.py; `pow2`: Ray's power of two choices).
 
 - `build_app(args)`: the Serve application builder (`serve run actors.serve_app:build_app
   config=...`, or KubeRay `import_path: actors.serve_app:build_app` with `args`).
-- `serve_main(argv)`: `specrelay serve --config FILE [--host 127.0.0.1 --port 8000 --api-key K]`
-  starts local Ray (or joins RAY_ADDRESS / --address), Serve's proxy and the app, then blocks.
+- `serve_main(argv)`: `specrelay serve --config FILE [--host 127.0.0.1 --port 8000 --api-key K
+  --replicas N --routing prefix|pow2]` starts local Ray (or joins RAY_ADDRESS / --address),
+  Serve's proxy and the app, then blocks.
 
 args keys: `config` (YAML path; None = defaults), `overrides` (EngineConfig fields; the Helm
-chart's names `target_model` and `draft_kind` are accepted too), and ServerSettings fields
-(`api_key`, `request_timeout_s`, `max_body_bytes`, `max_header_bytes`, `model_name`, ...).
+chart's names `target_model` and `draft_kind` are accepted too), `deployment` (keys of the
+config's `deployment:` section, over the file's), `num_replicas` (an alias of
+`deployment.replicas`: a fixed count), `drain_grace_s`, and ServerSettings fields (`api_key`,
+`request_timeout_s`, `max_body_bytes`, `max_header_bytes`, `model_name`, ...).
 """
 
 from __future__ import annotations
@@ -24,14 +36,27 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
-from actors.engine import start_engine
-from actors.engine_client import EngineClient
+from actors.engine_replica import EngineReplica
+from actors.prefix_router import ROUTER_PATH
+from actors.replica_client import EngineDirectory, ReplicaClient
+from actors.serve_common import (
+    DRAIN_GRACE_S,
+    MAX_ONGOING_REQUESTS,
+    loopback_ray,
+    loopback_replica_grpc,
+    resolve_config_path,
+)
 from pipeline.config import EngineConfig, load_config
+from pipeline.deployment import ROUTINGS, DeploymentSettings, parse_deployment
 from pipeline.frontend.app import API_KEY_ENV, ServerSettings, create_app
 from pipeline.frontend.proxy_guard import proxy_guard_env
 from pipeline.grammar.memory import set_memory_budget
 from pipeline.tracing.otel import flush_tracing, setup_tracing
+
+__all__ = ["DRAIN_GRACE_S", "EngineReplica", "SpecrelayServer", "build_app", "loopback_ray",
+           "resolve_config_path", "serve_main"]
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +64,6 @@ APP_NAME = "specrelay"
 DEFAULT_CONFIG = "configs/smollm2-cpu.yaml"
 # Helm chart (values.yaml) names -> EngineConfig fields.
 OVERRIDE_ALIASES = {"target_model": "model", "draft_kind": "draft"}
-# Requests are queued by the engine (which answers 429 when full), not by Serve: a high limit
-# keeps /health and /metrics from waiting behind long generations.
-MAX_ONGOING_REQUESTS = 4096
-# In-flight requests get this long to finish when a replica is stopped (Serve's
-# graceful_shutdown_timeout_s, `specrelay serve` on SIGTERM); the Helm chart passes its
-# drain.gracePeriodSeconds as args.drain_grace_s so both agree (docs/reliability.md).
-DRAIN_GRACE_S = 30.0
 
 
 def engine_overrides(raw: dict[str, Any] | None) -> dict[str, Any]:
@@ -68,37 +86,37 @@ def server_settings(args: dict[str, Any]) -> dict[str, Any]:
                   graceful_shutdown_timeout_s=DRAIN_GRACE_S, graceful_shutdown_wait_loop_s=1)
 @serve.ingress()
 class SpecrelayServer:
-    """A replica: starts its Engine actor (owned by, and dying with, the replica) and the app."""
+    """The ingress replica: the HTTP app over the engine deployment (`engine`, a handle)."""
 
     async def __init__(self, config_path: str | None, overrides: dict[str, Any],
-                       settings: dict[str, Any]) -> None:
-        # lazy: the model runners import torch, needed in the replica, not in `specrelay serve`
+                       settings: dict[str, Any], engine: Any = None) -> None:
+        # lazy: the tokenizer loaders import torch, needed in the replica, not in `serve`
         from pipeline.models.runners import load_engine_tokenizer
 
         loopback_replica_grpc()
         config, server_settings = replica_config(config_path, overrides, settings)
         set_memory_budget(config.grammar_memory_mb << 20)  # this process compiles grammars
         setup_tracing("specrelay-frontend", config.tracing, register_global=False)
-        # start_engine and tokenizer loading block (model loads): keep the replica's loop free.
-        self.engine = await asyncio.to_thread(start_engine, config)
         tokenizer = await asyncio.to_thread(load_engine_tokenizer, config)
-        self.client = EngineClient(self.engine)
+        app = serve.get_replica_context().app_name
+        self.client = ReplicaClient(engine, EngineDirectory(app))
         self.http_app = create_app(self.client, tokenizer, server_settings)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.http_app
 
-    async def check_health(self) -> None:
-        # Only a dead engine actor fails the replica (Serve restarts it); an engine that is
-        # rebuilding its stages reports unhealthy on /health but recovers by itself.
-        await asyncio.wait_for(self.client.health(), 30)
-
     async def engine_stats(self) -> dict[str, Any]:
+        """Every replica's engine stats merged; per replica under `replicas`."""
         return await self.client.stats()
 
     async def engine_actor(self) -> Any:
-        """The Engine actor's handle (operations and failure tests)."""
-        return self.engine
+        """The first replica's Engine actor handle (operations and failure tests)."""
+        engines = await self.client.engine_actors()
+        return next(iter(engines.values()), None)
+
+    async def engine_actors(self) -> dict[str, Any]:
+        """{replica id: Engine actor handle} of every engine replica."""
+        return await self.client.engine_actors()
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests (503, /health 503) and wait up to timeout_s for those in flight;
@@ -106,15 +124,6 @@ class SpecrelayServer:
         return await self.http_app.state.server.drain(timeout_s)
 
     async def __del__(self) -> None:
-        # Replica shutdown: stop the engine so its stage actors and placement group go too;
-        # the engine and its output actor export their spans first, then this replica does.
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            try:
-                await asyncio.wait_for(engine.shutdown.remote(), 30)
-            except Exception as e:  # noqa: BLE001 - killed below either way
-                log.warning("engine shutdown: %s", e)
-            ray.kill(engine, no_restart=True)
         await asyncio.to_thread(flush_tracing)
 
 
@@ -126,27 +135,51 @@ def replica_config(config_path: str | None, overrides: dict[str, Any],
     return config, ServerSettings(**settings)
 
 
-def resolve_config_path(path: str | None) -> str | None:
-    """A relative config path that is not under the cwd is taken from the repository root
-    (replicas do not run in the caller's directory)."""
-    if path is None or os.path.isabs(path) or os.path.exists(path):
-        return path
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.join(root, path)
+def deployment_section(args: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
+    """The engine deployment's `deployment:` section: the config's (file, then `overrides`),
+    then args' `deployment` keys (blank ones dropped; `autoscaling: null` turns it off), then
+    `num_replicas` (a fixed count: autoscaling off). Validated (ValueError naming the key)."""
+    raw = dict(config.deployment)
+    for key, value in (args.get("deployment") or {}).items():
+        if value == "" or (value is None and key != "autoscaling"):
+            continue
+        raw[key] = value
+    if args.get("num_replicas") is not None:
+        raw.update(replicas=int(args["num_replicas"]), autoscaling=None)
+    parse_deployment(raw)
+    return raw
+
+
+def engine_options(settings: DeploymentSettings, config: EngineConfig) -> dict[str, Any]:
+    """Serve options of the engine deployment: its size (fixed or autoscaled) and router."""
+    options: dict[str, Any] = {}
+    if settings.autoscaling is not None:
+        options["autoscaling_config"] = settings.autoscaling_config
+    else:
+        options["num_replicas"] = settings.replicas
+    if settings.routing == "prefix":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER_PATH,
+            request_router_kwargs={"block_size": config.block_size,
+                                   "imbalance_threshold": settings.imbalance_threshold})
+    return options
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The Serve application for `args` (see the module docstring)."""
     args = dict(args or {})
-    config = args.get("config")
-    settings = server_settings(args)
-    options: dict[str, Any] = {}
-    if "drain_grace_s" in args:
-        options["graceful_shutdown_timeout_s"] = float(args["drain_grace_s"])
-    if "num_replicas" in args:
-        options["num_replicas"] = int(args["num_replicas"])
-    deployment = SpecrelayServer.options(**options) if options else SpecrelayServer
-    return deployment.bind(config, engine_overrides(args.get("overrides")), settings)
+    config_path = args.get("config")
+    overrides = engine_overrides(args.get("overrides"))
+    config = load_config(resolve_config_path(config_path), overrides)
+    section = deployment_section(args, config)
+    grace: dict[str, Any] = {}
+    if "drain_grace_s" in args:  # both: the ingress's streams and each replica's
+        grace["graceful_shutdown_timeout_s"] = float(args["drain_grace_s"])
+    engine = EngineReplica.options(
+        **engine_options(parse_deployment(section), config), **grace,
+    ).bind(config_path, {**overrides, "deployment": section})
+    ingress = SpecrelayServer.options(**grace) if grace else SpecrelayServer
+    return ingress.bind(config_path, overrides, server_settings(args), engine=engine)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -167,6 +200,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray")
     p.add_argument("--drain-grace", type=float, default=DRAIN_GRACE_S,
                    help="seconds in-flight requests get to finish on SIGTERM (new ones: 503)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="engine replicas (a fixed count; default: the config's deployment:)")
+    p.add_argument("--routing", choices=ROUTINGS, default=None,
+                   help="prefix: to the replica holding the prompt's prefix; pow2: by load")
     return p.parse_args(argv)
 
 
@@ -197,6 +234,10 @@ def serve_main(argv: list[str]) -> int:
     }
     if args.served_model_name:
         app_args["model_name"] = args.served_model_name
+    if args.replicas is not None:
+        app_args["num_replicas"] = args.replicas
+    if args.routing is not None:
+        app_args["deployment"] = {"routing": args.routing}
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
     print(f"specrelay: serving on http://{args.host}:{args.port}/v1 "
@@ -207,42 +248,6 @@ def serve_main(argv: list[str]) -> int:
     serve.shutdown()
     ray.shutdown()
     return 0
-
-
-def loopback_ray() -> None:
-    """Make a local Ray bind its ports (GCS, raylet, agents, workers) to 127.0.0.1 only.
-
-    On Linux Ray resolves even an explicit 127.0.0.1 node address to the routable one and binds
-    every interface; its RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 switch (the macOS/Windows default)
-    keeps a single-node cluster on loopback. The switch is read when ray is imported, so the
-    constant is set too; the env var reaches the processes Ray starts."""
-    from ray._private import ray_constants
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-
-
-def loopback_replica_grpc() -> None:
-    """Ray Serve 2.60 replicas open their inter-deployment gRPC server on [::]:0 (every
-    interface) whatever the node's address. On a loopback-only node (a local `specrelay serve`,
-    see loopback_ray) peers reach it at 127.0.0.1, so bind it there like the rest of Ray.
-    Call in the replica before Serve finishes initializing it; a no-op on cluster nodes.
-    tests/e2e/test_security_serve.py scans the sockets, so a Ray upgrade that moves this shows."""
-    from ray.serve._private import replica
-
-    if ray.util.get_node_ip_address() not in ("127.0.0.1", "::1"):
-        return
-    bind = getattr(replica, "add_port_to_grpc_server", None)
-    if bind is None or getattr(bind, "loopback_only", False):
-        return
-
-    def bind_loopback(server: Any, address: str) -> int:
-        if address.startswith("[::]:"):
-            address = "127.0.0.1:" + address[len("[::]:"):]
-        return bind(server, address)
-
-    bind_loopback.loopback_only = True  # type: ignore[attr-defined]
-    replica.add_port_to_grpc_server = bind_loopback
 
 
 def drain_app(grace_s: float) -> None:

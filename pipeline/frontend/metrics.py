@@ -61,87 +61,106 @@ ENGINE_COUNTERS = (
 
 
 class _EngineStatsCollector(Collector):
-    """Exports the latest engine stats snapshot (gauges and engine-owned counters)."""
+    """Exports the latest engine stats snapshot (gauges and engine-owned counters).
+
+    A snapshot with a `replicas` mapping (several engine replicas, actors.replica_client) gives
+    one series per replica, labelled `replica`: Prometheus' sum() over them is the deployment's
+    total. A plain snapshot (one engine) has the `model` label only."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self.stats: dict[str, Any] = {}
 
     def collect(self) -> Iterable[Metric]:
-        if self.stats:
-            yield from self._engine(self.stats)
-            yield from self._speculation(self.stats)
+        if not self.stats:
+            return
+        replicas = self.stats.get("replicas")
+        if replicas:
+            self._labels = ["model", "replica"]
+            self._series = [([self.model, str(r)], s) for r, s in sorted(replicas.items())]
+        else:
+            self._labels, self._series = ["model"], [([self.model], self.stats)]
+        yield from self._engine()
+        yield from self._speculation()
 
-    def _one(self, family: type, name: str, doc: str, value: float) -> Metric:
-        metric = family(f"{PREFIX}_{name}", doc, labels=["model"])
-        metric.add_metric([self.model], value)
+    def _each(self, family: type, name: str, doc: str, value: Any) -> Metric:
+        """One family, a sample per series: `value(stats)`."""
+        metric = family(f"{PREFIX}_{name}", doc, labels=self._labels)
+        for labels, s in self._series:
+            metric.add_metric(labels, float(value(s)))
         return metric
 
-    def _engine(self, s: dict[str, Any]) -> Iterable[Metric]:
+    def _engine(self) -> Iterable[Metric]:
         for name, key, doc in ENGINE_GAUGES:
-            yield self._one(GaugeMetricFamily, name, doc, float(s.get(key) or 0))
-        yield self._one(GaugeMetricFamily, "engine_healthy", "1 when the engine is healthy.",
-                        1.0 if s.get("healthy", False) else 0.0)
-        blocks = float(s.get("kv_blocks") or 0)
-        yield self._one(GaugeMetricFamily, "kv_cache_usage_perc",
-                        "Share of the KV block pool the running requests hold (0..1).",
-                        float(s.get("kv_blocks_used") or 0) / blocks if blocks else 0.0)
+            yield self._each(GaugeMetricFamily, name, doc, lambda s, k=key: s.get(k) or 0)
+        yield self._each(GaugeMetricFamily, "engine_healthy", "1 when the engine is healthy.",
+                         lambda s: 1.0 if s.get("healthy", False) else 0.0)
+        yield self._each(GaugeMetricFamily, "kv_cache_usage_perc",
+                         "Share of the KV block pool the running requests hold (0..1).",
+                         kv_usage)
         for name, key, doc in ENGINE_COUNTERS:
-            yield self._one(CounterMetricFamily, name, doc, float(s.get(key) or 0))
+            yield self._each(CounterMetricFamily, name, doc, lambda s, k=key: s.get(k) or 0)
 
-    def _speculation(self, s: dict[str, Any]) -> Iterable[Metric]:
+    def _speculation(self) -> Iterable[Metric]:
         per_pos = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
                                       "Drafts whose token at this position was accepted.",
-                                      labels=["model", "position"])
-        for pos, n in enumerate(s.get("num_accepted_tokens_per_pos") or []):
-            per_pos.add_metric([self.model, str(pos)], float(n))
+                                      labels=[*self._labels, "position"])
+        for labels, s in self._series:
+            for pos, n in enumerate(s.get("num_accepted_tokens_per_pos") or []):
+                per_pos.add_metric([*labels, str(pos)], float(n))
         yield per_pos
-        drafted = float(s.get("num_draft_tokens") or 0)
-        accepted = float(s.get("num_accepted_tokens") or 0)
-        yield self._one(GaugeMetricFamily, "spec_acceptance_rate",
-                        "Accepted / drafted tokens since start (pooled counts).",
-                        accepted / drafted if drafted else 0.0)
-        yield self._one(GaugeMetricFamily, "spec_mean_accepted_length",
-                        "Tokens per verify step, drafted or not (accepted drafts + 1).",
-                        tokens_per_verify(s))
-        hist = acceptance_histogram(s)
-        if hist:
-            h = HistogramMetricFamily(f"{PREFIX}_spec_acceptance_length",
-                                      "Accepted draft tokens per verify step (raw).",
-                                      labels=["model"])
-            buckets, total = [], 0
-            for i, c in enumerate(hist):
-                total += c
-                buckets.append((str(float(i)), float(total)))
-            buckets.append(("+Inf", float(total)))
-            h.add_metric([self.model], buckets,
-                         sum_value=float(sum(i * c for i, c in enumerate(hist))))
-            yield h
+        yield self._each(GaugeMetricFamily, "spec_acceptance_rate",
+                         "Accepted / drafted tokens since start (pooled counts).", acceptance_rate)
+        yield self._each(GaugeMetricFamily, "spec_mean_accepted_length",
+                         "Tokens per verify step, drafted or not (accepted drafts + 1).",
+                         tokens_per_verify)
+        yield from self._histogram(
+            "spec_acceptance_length", "Accepted draft tokens per verify step (raw).",
+            lambda s: [(str(float(i)), c) for i, c in enumerate(acceptance_histogram(s))],
+            lambda s: sum(i * c for i, c in enumerate(acceptance_histogram(s))))
         yield from self._histogram(
             "spec_k_chosen", "Drafts given per verify request-step (k chosen; 0: none drafted).",
-            [(str(float(k)), c) for k, c in enumerate(s.get("k_chosen") or [])],
-            sum(k * c for k, c in enumerate(s.get("k_chosen") or [])))
-        timing = s.get("step_seconds") or {}
-        if timing:
-            yield from self._histogram(
-                "spec_verify_step_seconds", "Seconds one decode step took to draft and verify.",
-                [(str(float(b)), c) for b, c in zip(timing["buckets"], timing["counts"])]
-                + [("+Inf", timing["counts"][-1])], float(timing["sum"]))
+            lambda s: [(str(float(k)), c) for k, c in enumerate(s.get("k_chosen") or [])],
+            lambda s: sum(k * c for k, c in enumerate(s.get("k_chosen") or [])))
+        yield from self._histogram(
+            "spec_verify_step_seconds", "Seconds one decode step took to draft and verify.",
+            step_buckets, lambda s: float((s.get("step_seconds") or {}).get("sum", 0.0)))
 
-    def _histogram(self, name: str, doc: str, per_bucket: list[tuple[str, int]],
-                   total: float) -> Iterable[Metric]:
-        """A histogram from per-bucket (not cumulative) counts; none when there are none."""
-        if not per_bucket:
-            return
-        if per_bucket[-1][0] != "+Inf":
-            per_bucket = [*per_bucket, ("+Inf", 0)]
-        h = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
-        buckets, running = [], 0
-        for bound, count in per_bucket:
-            running += count
-            buckets.append((bound, float(running)))
-        h.add_metric([self.model], buckets, sum_value=float(total))
-        yield h
+    def _histogram(self, name: str, doc: str, per_bucket: Any, total: Any) -> Iterable[Metric]:
+        """A histogram from per-bucket (not cumulative) counts; a series only where there are
+        counts, the family only when some series has them."""
+        h = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=self._labels)
+        for labels, s in self._series:
+            buckets_of = per_bucket(s)
+            if not buckets_of:
+                continue
+            if buckets_of[-1][0] != "+Inf":
+                buckets_of = [*buckets_of, ("+Inf", 0)]
+            buckets, running = [], 0
+            for bound, count in buckets_of:
+                running += count
+                buckets.append((bound, float(running)))
+            h.add_metric(labels, buckets, sum_value=float(total(s)))
+        if h.samples:
+            yield h
+
+
+def kv_usage(stats: dict[str, Any]) -> float:
+    blocks = float(stats.get("kv_blocks") or 0)
+    return float(stats.get("kv_blocks_used") or 0) / blocks if blocks else 0.0
+
+
+def acceptance_rate(stats: dict[str, Any]) -> float:
+    drafted = float(stats.get("num_draft_tokens") or 0)
+    return float(stats.get("num_accepted_tokens") or 0) / drafted if drafted else 0.0
+
+
+def step_buckets(stats: dict[str, Any]) -> list[tuple[str, int]]:
+    timing = stats.get("step_seconds") or {}
+    if not timing:
+        return []
+    return ([(str(float(b)), c) for b, c in zip(timing["buckets"], timing["counts"])]
+            + [("+Inf", timing["counts"][-1])])
 
 
 def tokens_per_verify(stats: dict[str, Any]) -> float:

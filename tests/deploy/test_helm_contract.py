@@ -90,7 +90,10 @@ def build_replica(serve_config: dict) -> tuple[EngineConfig, ServerSettings]:
     ServeDeploySchema.model_validate(serve_config)  # Serve's own validation (what KubeRay submits)
     (app_config,) = serve_config["applications"]
     module, attr = app_config["import_path"].split(":")
-    app = getattr(importlib.import_module(module), attr)(app_config["args"])
+    args = dict(app_config["args"])
+    if args.get("config"):  # build_app reads the config's deployment: section
+        args["config"] = in_checkout(args["config"])
+    app = getattr(importlib.import_module(module), attr)(args)
     deployment = app._bound_deployment
     named = {d["name"] for d in app_config.get("deployments", [])}
     assert named <= {deployment.name}, f"serveConfigV2 configures unknown deployments {named}"

@@ -1,0 +1,106 @@
+"""The engine deployment: each Serve replica owns one whole engine (an Engine actor with its
+verifier ranks in their own placement group, its draft and output actors) and streams one
+request's deltas per `generate(call)` call from the ingress (actors/serve_app.py).
+
+- Its Engine actor is named `specrelay-engine:<app>:<replica id>` (actors/replica_client.py),
+  so the ingress can ask every replica for stats and health, not one the router picks.
+- A cancelled call (the ingress's client went away, a timeout) raises CancelledError inside the
+  generator; EngineClient aborts the engine request on the way out.
+- An engine error ends only this replica's requests and keeps its type (429, 400, 503, 504 at
+  the ingress as before); a dead Engine actor fails `check_health`, and Serve replaces the
+  replica (its new engine starts with an empty cache; prefix routing re-learns).
+- On scale-down or SIGTERM Serve stops routing to the replica and waits up to
+  graceful_shutdown_timeout_s for its streams to end before `__del__` stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+
+from actors.engine import start_engine
+from actors.engine_client import EngineClient
+from actors.replica_client import engine_actor_name
+from actors.serve_common import (
+    DRAIN_GRACE_S,
+    MAX_ONGOING_REQUESTS,
+    loopback_replica_grpc,
+    resolve_config_path,
+)
+from pipeline.config import load_config
+from pipeline.output.delta_codec import encode_deltas
+from pipeline.protocol.engine_call import EngineCall
+from pipeline.tracing.otel import (
+    context_from_traceparent,
+    flush_tracing,
+    get_tracer,
+    setup_tracing,
+)
+
+log = logging.getLogger(__name__)
+
+
+@serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=5, health_check_timeout_s=60,
+                  graceful_shutdown_timeout_s=DRAIN_GRACE_S, graceful_shutdown_wait_loop_s=1)
+class EngineReplica:
+    """One engine replica; the Engine actor is owned by, and dies with, the replica actor."""
+
+    async def __init__(self, config_path: str | None, overrides: dict[str, Any]) -> None:
+        loopback_replica_grpc()
+        config = load_config(resolve_config_path(config_path), overrides)
+        setup_tracing("specrelay-replica", config.tracing, register_global=False)
+        context = serve.get_replica_context()
+        self.replica = context.replica_tag
+        name = engine_actor_name(context.app_name, self.replica)
+        # start_engine blocks (model loads): keep the replica's loop free.
+        self.engine = await asyncio.to_thread(start_engine, config, name)
+        self.client = EngineClient(self.engine)
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[bytes]:
+        """The request's deltas, one msgpack delta message each (pipeline.output.delta_codec)."""
+        span = get_tracer().start_span(
+            "spec.replica.request", context=context_from_traceparent(call.traceparent),
+            attributes={"request.id": call.rid, "serve.replica": self.replica})
+        try:
+            async for out in self.client.generate(call.rid, call.prompt_ids, call.params,
+                                                  call.traceparent, call.group, call.last,
+                                                  call.tenant):
+                yield encode_deltas([out])
+        finally:
+            span.end()
+
+    async def health(self) -> dict[str, Any]:
+        return await self.client.health()
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.client.stats()
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.client.model_info()
+
+    async def engine_actor(self) -> Any:
+        """The Engine actor's handle (operations and failure tests)."""
+        return self.engine
+
+    async def check_health(self) -> None:
+        # Only a dead engine actor fails the replica (Serve restarts it); an engine that is
+        # rebuilding its stages reports unhealthy on /health but recovers by itself.
+        await asyncio.wait_for(self.client.health(), 30)
+
+    async def __del__(self) -> None:
+        # Replica shutdown: stop the engine so its stage actors and placement group go too;
+        # the engine and its output actor export their spans first, then this replica does.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                await asyncio.wait_for(engine.shutdown.remote(), 30)
+            except Exception as e:  # noqa: BLE001 - killed below either way
+                log.warning("engine shutdown: %s", e)
+            ray.kill(engine, no_restart=True)
+        await asyncio.to_thread(flush_tracing)

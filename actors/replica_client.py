@@ -1,0 +1,144 @@
+"""The ingress's engine client over the engine deployment (actors/engine_replica.py): the same
+API as EngineClient (`generate`, `abort`, `stats`, `health`, `model_info`), so the HTTP app
+(pipeline/frontend/app.py) does not know whether one engine or many serve it.
+
+- `generate` sends an EngineCall through the deployment handle: Serve's request router (prefix
+  affinity or power of two choices) picks the replica, which streams msgpack delta messages
+  back. Closing the stream early (client gone, timeout) cancels the handle call; Serve cancels
+  the replica's generator, which aborts the engine request there.
+- `stats` and `health` must reach every replica, not one the router picks: each replica names
+  its Engine actor `specrelay-engine:<app>:<replica>`, and the directory finds them by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from actors.engine_client import unwrap
+from pipeline.errors import EngineDeadError
+from pipeline.frontend.replica_stats import merge_health, merge_stats
+from pipeline.output.delta_codec import decode_deltas
+from pipeline.output.request_output import RequestOutput
+from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
+
+ENGINE_NAME_PREFIX = "specrelay-engine"
+CALL_TIMEOUT_S = 10.0  # one replica's stats / health answer
+
+
+def engine_actor_name(app: str, replica: str) -> str:
+    return f"{ENGINE_NAME_PREFIX}:{app}:{replica}"
+
+
+class EngineDirectory:
+    """The Engine actors of one application's replicas, found by their names (a replica that
+    is gone drops out of Ray's named-actor list; a new one appears under its own id)."""
+
+    def __init__(self, app: str) -> None:
+        self.prefix = engine_actor_name(app, "")
+        self._handles: dict[str, Any] = {}
+
+    async def engines(self) -> dict[str, Any]:
+        """{replica id: Engine actor handle}, sorted by replica id."""
+        named = await asyncio.to_thread(ray.util.list_named_actors, True)
+        found: dict[str, Any] = {}
+        for entry in named:
+            name = entry["name"]
+            if not name.startswith(self.prefix):
+                continue
+            replica = name[len(self.prefix):]
+            handle = self._handles.get(replica)
+            if handle is None:
+                try:
+                    handle = await asyncio.to_thread(ray.get_actor, name, entry["namespace"])
+                except ValueError:  # died between the listing and the lookup
+                    continue
+            found[replica] = handle
+        self._handles = dict(sorted(found.items()))
+        return self._handles
+
+
+class ReplicaClient:
+    """What the HTTP app needs from the engines, over the engine deployment's handle."""
+
+    def __init__(self, handle: Any, directory: EngineDirectory) -> None:
+        self.handle = handle
+        self.stream = handle.options(stream=True)
+        self.directory = directory
+        self._streams: dict[str, Any] = {}  # rid -> its handle call (abort cancels it)
+        self._last_stats: dict[str, dict[str, Any]] = {}
+
+    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                       traceparent: str | None = None, group: str | None = None,
+                       last: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
+        call = EngineCall(rid, list(prompt_ids), params, traceparent, group, last, tenant)
+        response = self.stream.generate.remote(call)
+        self._streams[rid] = response
+        finished = False
+        try:
+            async for payload in response:
+                for out in decode_deltas(payload):
+                    finished = out.finished
+                    yield out
+                if finished:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine's own error, or the replica died
+            raise unwrap(e) from None
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # closed early: Serve cancels the replica's generator (abort)
+                response.cancel()
+
+    async def abort(self, rid: str) -> None:
+        response = self._streams.get(rid)
+        if response is not None:
+            response.cancel()
+
+    async def model_info(self) -> dict[str, Any]:
+        try:
+            return await self.handle.model_info.remote()
+        except Exception as e:  # noqa: BLE001
+            raise unwrap(e) from None
+
+    async def stats(self) -> dict[str, Any]:
+        """Every replica's engine stats, merged (pipeline.frontend.replica_stats); a replica
+        that does not answer keeps its last counters and reports unhealthy."""
+        answers = await self._each("stats")
+        per: dict[str, dict[str, Any]] = {}
+        for replica, answer in answers.items():
+            if isinstance(answer, BaseException):
+                per[replica] = {**self._last_stats.get(replica, {}), "healthy": False}
+            else:
+                per[replica] = answer
+        self._last_stats = per
+        if not per:
+            raise EngineDeadError("no engine replica is running")
+        return merge_stats(per)
+
+    async def health(self) -> dict[str, Any]:
+        """Healthy while at least one replica's engine is."""
+        answers = await self._each("health")
+        return merge_health({
+            r: {"healthy": False, "reason": f"{type(a).__name__}: {a}"}
+            if isinstance(a, BaseException) else a for r, a in answers.items()})
+
+    async def engine_actors(self) -> dict[str, Any]:
+        return await self.directory.engines()
+
+    async def _each(self, method: str) -> dict[str, Any]:
+        engines = await self.directory.engines()
+
+        async def one(handle: Any) -> Any:
+            try:
+                return await asyncio.wait_for(getattr(handle, method).remote(), CALL_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - reported per replica
+                return unwrap(e)
+
+        answers = await asyncio.gather(*(one(h) for h in engines.values()))
+        return dict(zip(engines, answers))
