@@ -15,6 +15,7 @@ import json
 import re
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -30,7 +31,7 @@ from support.helm_chart import (
 )
 
 from actors.serve_app import replica_config
-from pipeline.config import EngineConfig
+from pipeline.config import EngineConfig, load_config
 from pipeline.deployment import Autoscaling, DeploymentSettings
 from pipeline.frontend.app import API_KEY_ENV, ServerSettings
 from pipeline.tracing.otel import resolve_config
@@ -83,8 +84,9 @@ def in_checkout(path: str) -> str:
     return path
 
 
-def build_replica(serve_config: dict) -> tuple[EngineConfig, ServerSettings]:
-    """The one application of a serveConfigV2, built as Serve and the replica build it."""
+def build_app(serve_config: dict) -> tuple[Any, Any]:
+    """The one application of a serveConfigV2, built as Serve builds it: the bound ingress and
+    engine deployments."""
     from ray.serve.schema import ServeDeploySchema
 
     ServeDeploySchema.model_validate(serve_config)  # Serve's own validation (what KubeRay submits)
@@ -94,10 +96,18 @@ def build_replica(serve_config: dict) -> tuple[EngineConfig, ServerSettings]:
     if args.get("config"):  # build_app reads the config's deployment: section
         args["config"] = in_checkout(args["config"])
     app = getattr(importlib.import_module(module), attr)(args)
-    deployment = app._bound_deployment
+    ingress = app._bound_deployment
+    engine = ingress.init_kwargs["engine"]._bound_deployment
     named = {d["name"] for d in app_config.get("deployments", [])}
-    assert named <= {deployment.name}, f"serveConfigV2 configures unknown deployments {named}"
-    config_path, overrides, settings = deployment.init_args
+    assert named <= {ingress.name, engine.name}, (
+        f"serveConfigV2 configures unknown deployments {named}")
+    return ingress, engine
+
+
+def build_replica(serve_config: dict) -> tuple[EngineConfig, ServerSettings]:
+    """The engine config and server settings the ingress replica starts with."""
+    ingress, _ = build_app(serve_config)
+    config_path, overrides, settings = ingress.init_args
     return replica_config(in_checkout(config_path) if config_path else None, overrides, settings)
 
 
@@ -126,6 +136,35 @@ def test_deployment_values_become_the_config_deployment_settings(name):
     """specrelay.deployment.* -> the engine config's `deployment:` section, parsed by the code."""
     config, _ = build_replica(yaml.safe_load(rendered(name)["spec"]["serveConfigV2"]))
     assert config.deployment_settings == expected_deployment(chart_values(name))
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_the_engine_deployment_runs_the_replicas_autoscaling_and_router_the_values_say(name):
+    """What Serve gets for the engine deployment (EngineReplica): a fixed num_replicas or the
+    autoscaling_config, the request router, the drain period; and each engine replica's own
+    config (its bound arguments, loaded as the replica loads them) carries the same section."""
+    from ray.serve.config import AutoscalingConfig
+
+    serve_config = yaml.safe_load(rendered(name)["spec"]["serveConfigV2"])
+    _, engine = build_app(serve_config)
+    expected = expected_deployment(chart_values(name))
+    options = engine._deployment_config
+    if expected.autoscaling is None:
+        assert options.autoscaling_config is None
+        assert options.num_replicas == expected.replicas
+    else:
+        assert options.autoscaling_config == AutoscalingConfig(**expected.autoscaling_config)
+    router = options.request_router_config.request_router_class
+    assert (router == "actors.prefix_router:PrefixAffinityRouter") == (
+        expected.routing == "prefix")
+    if expected.routing == "prefix":
+        kwargs = options.request_router_config.request_router_kwargs
+        assert kwargs["imbalance_threshold"] == expected.imbalance_threshold
+    (app_config,) = serve_config["applications"]
+    grace = {d["name"]: d["graceful_shutdown_timeout_s"] for d in app_config["deployments"]}
+    assert grace[engine.name] == chart_values(name)["drain"]["gracePeriodSeconds"]
+    config_path, overrides = engine.init_args
+    assert load_config(in_checkout(config_path), overrides).deployment_settings == expected
 
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))

@@ -175,9 +175,12 @@ applications:
       max_choices_per_request: {{ $s.maxChoicesPerRequest }}
       overrides:
         {{- toYaml $overrides | nindent 8 }}
-    # A stopping replica gives in-flight requests the preStop drain period (docs/reliability.md).
+    # A stopping replica gives in-flight requests the preStop drain period (docs/reliability.md):
+    # the ingress's HTTP streams, and an engine replica's (scale-down drains it).
     deployments:
       - name: SpecrelayServer
+        graceful_shutdown_timeout_s: {{ .Values.drain.gracePeriodSeconds }}
+      - name: EngineReplica
         graceful_shutdown_timeout_s: {{ .Values.drain.gracePeriodSeconds }}
 {{- end }}
 
