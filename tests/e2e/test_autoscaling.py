@@ -154,13 +154,16 @@ def test_a_load_ramp_scales_the_engine_deployment_1_2_1_with_no_failed_request(r
             # decides to scale down and drains the replica it stops.
             load.max_tokens, load.clients = 400, 2
             drained_busy: list[list[int]] = []
+            stopping_since: list[float] = []
 
             def back_to_one(states: dict[str, int]) -> bool:
                 if states.get("STOPPING") and not drained_busy:
+                    stopping_since.append(time.monotonic())
                     drained_busy.append(running_requests())
                 return states == {"RUNNING": 1}
 
             down_s = wait_for(back_to_one, 150, "the scale-down to one replica", seen)
+            drain_s = time.monotonic() - stopping_since[0] if stopping_since else None
             load.clients = 0  # the load stops
             deadline = time.monotonic() + 60
             while load.inflight and time.monotonic() < deadline:
@@ -175,7 +178,7 @@ def test_a_load_ramp_scales_the_engine_deployment_1_2_1_with_no_failed_request(r
     failed = [d for s, d in load.results if s != "ok"]
     print(f"states {seen}; up after {up_s:.1f}s of load, down after {down_s:.1f}s of low load; "
           f"{len(load.results)} requests, engines' running+waiting when one was stopping: "
-          f"{drained_busy}")
+          f"{drained_busy}, stopping for {drain_s}s")
     assert final == {"RUNNING": 1}
     assert {"RUNNING": 2} in seen
     # One replica = one placement group: the second replica made its own, and the one Serve
