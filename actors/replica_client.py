@@ -27,7 +27,10 @@ from pipeline.params import SamplingParams
 from pipeline.protocol.engine_call import EngineCall
 
 ENGINE_NAME_PREFIX = "specrelay-engine"
-CALL_TIMEOUT_S = 10.0  # one replica's stats / health answer
+# How long one replica's stats / health answer may take: under the app's own health and stats
+# timeouts (ServerSettings, 2 s), so one slow replica (a new one still starting its actor) is
+# reported unhealthy instead of failing the whole answer.
+TIMEOUT_S = {"health": 1.0, "stats": 1.5}
 
 
 def engine_actor_name(app: str, replica: str) -> str:
@@ -136,7 +139,8 @@ class ReplicaClient:
 
         async def one(handle: Any) -> Any:
             try:
-                return await asyncio.wait_for(getattr(handle, method).remote(), CALL_TIMEOUT_S)
+                return await asyncio.wait_for(getattr(handle, method).remote(),
+                                              TIMEOUT_S[method])
             except Exception as e:  # noqa: BLE001 - reported per replica
                 return unwrap(e)
 

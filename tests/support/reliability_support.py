@@ -157,6 +157,7 @@ class HealthWatch:
     def __init__(self, base: str) -> None:
         self.base, self.stop = base, threading.Event()
         self.samples: list[tuple[float, int]] = []
+        self.reasons: list[str] = []  # the bodies of answers other than 200
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -164,9 +165,13 @@ class HealthWatch:
         with httpx.Client(timeout=5) as c:
             while not self.stop.is_set():
                 try:
-                    status = c.get(f"{self.base}/health").status_code
-                except httpx.HTTPError:
+                    r = c.get(f"{self.base}/health")
+                    status = r.status_code
+                    if status != 200:
+                        self.reasons.append(r.text[:300])
+                except httpx.HTTPError as e:
                     status = 0
+                    self.reasons.append(repr(e))
                 self.samples.append((time.monotonic(), status))
                 time.sleep(0.05)
 
