@@ -226,6 +226,9 @@ def test_core_kinds_validate_against_kubernetes_schemas():
         ("specrelay.deployment.autoscaling.enabled=yes", "/specrelay/deployment/autoscaling/enabled"),
         ("specrelay.deployment.autoscaling.maxReplicas=0",
          "/specrelay/deployment/autoscaling/maxReplicas"),
+        # no engine replica: /health 503, the probes empty the Service, nothing scales it up
+        ("specrelay.deployment.autoscaling.minReplicas=0",
+         "/specrelay/deployment/autoscaling/minReplicas"),
         ("specrelay.deployment.autoscaling.targetOngoingRequests=0",
          "/specrelay/deployment/autoscaling/targetOngoingRequests"),
         ("specrelay.deployment.autoscaling.upscaleDelaySeconds=-1",
@@ -297,7 +300,6 @@ WORKER_SIZING = [
     (("specrelay.tensorParallelSize=2", "worker.gpus=1"), (2, 2, 8)),
     (("specrelay.tensorParallelSize=2", "worker.gpus=8"), (1, 1, 1)),
     (("specrelay.tensorParallelSize=4", "worker.gpus=8",
-      "specrelay.deployment.autoscaling.minReplicas=0",
       "specrelay.deployment.autoscaling.maxReplicas=3"), (1, 1, 2)),
     (("specrelay.tensorParallelSize=2", "worker.gpus=4", "specrelay.draft.kind=model",
       "specrelay.draft.model=/models/draft"), (1, 1, 3)),

@@ -63,10 +63,9 @@ VALUE_SETS = {
          "specrelay.deployment.autoscaling.enabled=true"),
         (('specrelay.deployment.autoscaling={"enabled": true, "minReplicas": 2, "maxReplicas": 4, '
           '"targetOngoingRequests": 2.5, "upscaleDelaySeconds": 5, "downscaleDelaySeconds": 60}'),)),
-    "autoscaling-from-zero-model-draft": (
+    "autoscaling-1-6-model-draft": (
         ("specrelay.tensorParallelSize=4", "worker.gpus=8", "specrelay.draft.kind=model",
          "specrelay.draft.model=/models/draft", "specrelay.deployment.autoscaling.enabled=true",
-         "specrelay.deployment.autoscaling.minReplicas=0",
          "specrelay.deployment.autoscaling.maxReplicas=6"), ()),
 }
 
