@@ -58,6 +58,18 @@ CUSTOM = (
 )
 
 
+# Engine replicas: autoscaling between two and four TP-2 replicas on 2-GPU workers, and a fixed two.
+AUTOSCALING_TWO = (
+    "specrelay.deployment.autoscaling.enabled=true",
+    "specrelay.deployment.autoscaling.minReplicas=2",
+    "specrelay.deployment.autoscaling.maxReplicas=4",
+    "specrelay.tensorParallelSize=2",
+    "worker.gpus=2",
+)
+FIXED_TWO = ("specrelay.deployment.replicas=2", "specrelay.deployment.routing=pow2",
+             "worker.replicas=2")
+
+
 # --- the tool and the chart ----------------------------------------------------------------------
 
 
@@ -108,6 +120,8 @@ def test_custom_values_render_into_the_rayservice():
                         "otlp_endpoint": "http://otel-collector.observability:4318"},
             "placement": {"verifier_strategy": "PACK", "verifier_resources": {},
                           "draft_resources": {}, "output_resources": {}, "engine_resources": {}},
+            "deployment": {"replicas": 1, "routing": "prefix", "imbalance_threshold": 8,
+                           "autoscaling": None},
         },
     }
     assert serve["http_options"]["port"] == HTTP_PORT
@@ -148,7 +162,8 @@ def test_workers_probe_health_on_the_http_port():
 # --- schemas -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sets", [(), CUSTOM, ("rayAuth.enabled=false", "worker.gpus=0")])
+@pytest.mark.parametrize("sets", [(), CUSTOM, ("rayAuth.enabled=false", "worker.gpus=0"),
+                                  AUTOSCALING_TWO, FIXED_TWO])
 def test_rendered_rayservice_validates_against_the_kuberay_crd(sets):
     rs = one(render(*sets), "RayService")
     assert rs["apiVersion"] == "ray.io/v1"
@@ -205,6 +220,22 @@ def test_core_kinds_validate_against_kubernetes_schemas():
         ("ray.ports.gcs=70000", "/ray/ports/gcs"),
         ("otel.endpoint=collector:4317", "/otel/endpoint"),
         ("wroker.gpus=2", "wroker"),  # typo of a top-level key
+        ("specrelay.deployment.routing=round_robin", "/specrelay/deployment/routing"),
+        ("specrelay.deployment.replicas=0", "/specrelay/deployment/replicas"),
+        ("specrelay.deployment.imbalanceThreshold=-1", "/specrelay/deployment/imbalanceThreshold"),
+        ("specrelay.deployment.autoscaling.enabled=yes", "/specrelay/deployment/autoscaling/enabled"),
+        ("specrelay.deployment.autoscaling.maxReplicas=0",
+         "/specrelay/deployment/autoscaling/maxReplicas"),
+        # no engine replica: /health 503, the probes empty the Service, nothing scales it up
+        ("specrelay.deployment.autoscaling.minReplicas=0",
+         "/specrelay/deployment/autoscaling/minReplicas"),
+        ("specrelay.deployment.autoscaling.targetOngoingRequests=0",
+         "/specrelay/deployment/autoscaling/targetOngoingRequests"),
+        ("specrelay.deployment.autoscaling.upscaleDelaySeconds=-1",
+         "/specrelay/deployment/autoscaling/upscaleDelaySeconds"),
+        ("specrelay.deployment.autoscaling.minReplica=1", "minReplica"),
+        ("autoscaler.upscalingMode=Fast", "/autoscaler/upscalingMode"),
+        ("autoscaler.idleTimeoutSeconds=-1", "/autoscaler/idleTimeoutSeconds"),
     ],
 )
 def test_values_schema_rejects_bad_values(bad, message):
@@ -218,6 +249,106 @@ def test_tensor_parallel_size_beyond_the_gpus_fails():
     out = helm("template", RELEASE, str(CHART), *(a for s in sets for a in ("--set", s)))
     assert out.returncode != 0
     assert "tensorParallelSize (4)" in out.stderr and "has 2" in out.stderr
+
+
+# --- engine replicas and autoscaling -------------------------------------------------------------
+
+
+def test_autoscaling_is_off_by_default():
+    cluster = one(render(), "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is False
+    assert "autoscalerOptions" not in cluster
+    app = yaml.safe_load(one(render(), "RayService")["spec"]["serveConfigV2"])["applications"][0]
+    assert app["args"]["overrides"]["deployment"]["autoscaling"] is None
+
+
+def test_autoscaling_turns_on_the_kuberay_autoscaler_with_the_ray_token():
+    docs = render(*AUTOSCALING_TWO, "autoscaler.idleTimeoutSeconds=300",
+                  "autoscaler.upscalingMode=Conservative")
+    cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    options = cluster["autoscalerOptions"]
+    assert options["idleTimeoutSeconds"] == 300 and options["upscalingMode"] == "Conservative"
+    env = {e["name"]: e for e in options["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": cluster["authOptions"]["secretName"], "key": "auth_token"}
+    no_auth = one(render(*AUTOSCALING_TWO, "rayAuth.enabled=false"), "RayService")
+    assert "env" not in no_auth["spec"]["rayClusterConfig"]["autoscalerOptions"]
+
+
+def test_autoscaling_values_reach_the_serve_app_in_the_engine_config_names():
+    rs = one(render(*AUTOSCALING_TWO, "specrelay.deployment.autoscaling.upscaleDelaySeconds=5",
+                    "specrelay.deployment.autoscaling.downscaleDelaySeconds=60",
+                    "specrelay.deployment.imbalanceThreshold=3",
+                    "json:specrelay.deployment.autoscaling.targetOngoingRequests=2.5"),
+             "RayService")
+    app = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]
+    assert app["args"]["overrides"]["deployment"] == {
+        "replicas": 1, "routing": "prefix", "imbalance_threshold": 3,
+        "autoscaling": {"min_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 2.5,
+                        "upscale_delay_s": 5, "downscale_delay_s": 60},
+    }
+
+
+# (values, worker pods: replicas, minReplicas, maxReplicas). Pods = engine replicas x GPUs per
+# replica (TP, +1 for a model draft) / worker.gpus, rounded up; STRICT_PACK keeps each replica's
+# ranks in one pod; at least one pod (Serve's proxy, which the Service sends clients to, runs on
+# the workers).
+WORKER_SIZING = [
+    (("worker.gpus=1",), (1, 1, 4)),
+    (("specrelay.tensorParallelSize=2", "worker.gpus=1"), (2, 2, 8)),
+    (("specrelay.tensorParallelSize=2", "worker.gpus=8"), (1, 1, 1)),
+    (("specrelay.tensorParallelSize=4", "worker.gpus=8",
+      "specrelay.deployment.autoscaling.maxReplicas=3"), (1, 1, 2)),
+    (("specrelay.tensorParallelSize=2", "worker.gpus=4", "specrelay.draft.kind=model",
+      "specrelay.draft.model=/models/draft"), (1, 1, 3)),
+    (("specrelay.tensorParallelSize=3", "worker.gpus=4",
+      "specrelay.placement.verifierStrategy=STRICT_PACK"), (1, 1, 4)),
+    (("specrelay.tensorParallelSize=2", "worker.gpus=4", "worker.minReplicas=2",
+      "worker.maxReplicas=5"), (2, 2, 5)),
+]
+
+
+@pytest.mark.parametrize(("sets", "pods"), WORKER_SIZING)
+def test_autoscaling_sizes_the_gpu_worker_group_to_follow_the_replicas(sets, pods):
+    rs = one(render("specrelay.deployment.autoscaling.enabled=true", *sets), "RayService")
+    group = worker_group(rs)
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == pods
+    assert crd_errors(rs) == []
+
+
+def test_max_replicas_beyond_what_the_worker_group_holds_fails_clearly():
+    sets = ["specrelay.deployment.autoscaling.enabled=true", "specrelay.tensorParallelSize=2",
+            "worker.gpus=2", "worker.maxReplicas=3",
+            "specrelay.deployment.autoscaling.maxReplicas=4"]
+    out = helm("template", RELEASE, str(CHART), *(a for s in sets for a in ("--set", s)))
+    assert out.returncode != 0
+    assert ("autoscaling.maxReplicas: 4 engine replica(s) x 2 GPU(s) (tensorParallelSize 2) "
+            "need 4 worker pod(s)") in out.stderr
+    assert "worker.maxReplicas (3) x worker.gpus (2) cannot hold them" in out.stderr
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("specrelay.deployment.replicas=2",),
+     "2 engine replica(s) x 1 GPU(s) (tensorParallelSize 1) need 2 worker pod(s)"),
+    # the model draft's GPU counts: TP 2 + 1 on 2-GPU pods is two pods for one replica
+    (("specrelay.tensorParallelSize=2", "worker.gpus=2", "specrelay.draft.kind=model",
+      "specrelay.draft.model=/models/draft"),
+     "1 engine replica(s) x 3 GPU(s) (tensorParallelSize 2 + 1 for the model draft) need 2"),
+])
+def test_fixed_replicas_beyond_the_worker_pods_fail_clearly(sets, message):
+    out = helm("template", RELEASE, str(CHART), *(a for s in sets for a in ("--set", s)))
+    assert out.returncode != 0
+    assert message in out.stderr and "worker.replicas is 1" in out.stderr
+
+
+def test_autoscaling_min_above_max_fails():
+    sets = ["specrelay.deployment.autoscaling.enabled=true",
+            "specrelay.deployment.autoscaling.minReplicas=3",
+            "specrelay.deployment.autoscaling.maxReplicas=2"]
+    out = helm("template", RELEASE, str(CHART), *(a for s in sets for a in ("--set", s)))
+    assert out.returncode != 0 and "minReplicas (3) must not exceed maxReplicas (2)" in out.stderr
 
 
 # --- network exposure ----------------------------------------------------------------------------

@@ -15,13 +15,24 @@ import json
 import re
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
-from support.helm_chart import REPO, crd_errors, env_of, one, pod_specs, ray_container, render
+from support.helm_chart import (
+    REPO,
+    crd_errors,
+    env_of,
+    one,
+    pod_specs,
+    ray_container,
+    render,
+    worker_group,
+)
 
 from actors.serve_app import replica_config
-from pipeline.config import EngineConfig
+from pipeline.config import EngineConfig, load_config
+from pipeline.deployment import Autoscaling, DeploymentSettings
 from pipeline.frontend.app import API_KEY_ENV, ServerSettings
 from pipeline.tracing.otel import resolve_config
 
@@ -31,7 +42,7 @@ IMAGE_ROOT = "/app"  # WORKDIR of docker/Dockerfile, where it copies configs/
 # Value sets the chart is rendered with: (id, --set arguments, --set-json arguments).
 VALUE_SETS = {
     "defaults": ((), ()),
-    "tp2-model-draft": (("specrelay.tensorParallelSize=2", "worker.gpus=2",
+    "tp2-model-draft": (("specrelay.tensorParallelSize=2", "worker.gpus=4",
                          "specrelay.draft.kind=model", "specrelay.draft.model=/models/draft",
                          "specrelay.draft.numSpeculativeTokens=5"), ()),
     "api-key-existing-secret": (("specrelay.apiKey.existingSecret=team-llm-key",
@@ -45,6 +56,17 @@ VALUE_SETS = {
         ("specrelay.tensorParallelSize=2", "worker.gpus=2", "worker.replicas=2"),
         (('specrelay.placement={"verifierStrategy": "STRICT_PACK", '
           '"draftResources": {"draft_node": 0.5}, "engineResources": {"cpu_pool": 1}}'),)),
+    "replicas-2-pow2": (("specrelay.deployment.replicas=2", "specrelay.deployment.routing=pow2",
+                         "specrelay.deployment.imbalanceThreshold=3", "worker.replicas=2"), ()),
+    "autoscaling-tp2": (
+        ("specrelay.tensorParallelSize=2", "worker.gpus=2",
+         "specrelay.deployment.autoscaling.enabled=true"),
+        (('specrelay.deployment.autoscaling={"enabled": true, "minReplicas": 2, "maxReplicas": 4, '
+          '"targetOngoingRequests": 2.5, "upscaleDelaySeconds": 5, "downscaleDelaySeconds": 60}'),)),
+    "autoscaling-1-6-model-draft": (
+        ("specrelay.tensorParallelSize=4", "worker.gpus=8", "specrelay.draft.kind=model",
+         "specrelay.draft.model=/models/draft", "specrelay.deployment.autoscaling.enabled=true",
+         "specrelay.deployment.autoscaling.maxReplicas=6"), ()),
 }
 
 
@@ -61,8 +83,9 @@ def in_checkout(path: str) -> str:
     return path
 
 
-def build_replica(serve_config: dict) -> tuple[EngineConfig, ServerSettings]:
-    """The one application of a serveConfigV2, built as Serve and the replica build it."""
+def build_app(serve_config: dict) -> tuple[Any, Any]:
+    """The one application of a serveConfigV2, built as Serve builds it: the bound ingress and
+    engine deployments."""
     from ray.serve.schema import ServeDeploySchema
 
     ServeDeploySchema.model_validate(serve_config)  # Serve's own validation (what KubeRay submits)
@@ -72,10 +95,18 @@ def build_replica(serve_config: dict) -> tuple[EngineConfig, ServerSettings]:
     if args.get("config"):  # build_app reads the config's deployment: section
         args["config"] = in_checkout(args["config"])
     app = getattr(importlib.import_module(module), attr)(args)
-    deployment = app._bound_deployment
+    ingress = app._bound_deployment
+    engine = ingress.init_kwargs["engine"]._bound_deployment
     named = {d["name"] for d in app_config.get("deployments", [])}
-    assert named <= {deployment.name}, f"serveConfigV2 configures unknown deployments {named}"
-    config_path, overrides, settings = deployment.init_args
+    assert named <= {ingress.name, engine.name}, (
+        f"serveConfigV2 configures unknown deployments {named}")
+    return ingress, engine
+
+
+def build_replica(serve_config: dict) -> tuple[EngineConfig, ServerSettings]:
+    """The engine config and server settings the ingress replica starts with."""
+    ingress, _ = build_app(serve_config)
+    config_path, overrides, settings = ingress.init_args
     return replica_config(in_checkout(config_path) if config_path else None, overrides, settings)
 
 
@@ -97,6 +128,62 @@ def test_rendered_serve_config_builds_a_replica_config(name):
     group = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = int(group["rayStartParams"]["num-gpus"]) * group["replicas"]
     assert config.tensor_parallel_size <= gpus, "not enough GPUs for one verifier per rank"
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_deployment_values_become_the_config_deployment_settings(name):
+    """specrelay.deployment.* -> the engine config's `deployment:` section, parsed by the code."""
+    config, _ = build_replica(yaml.safe_load(rendered(name)["spec"]["serveConfigV2"]))
+    assert config.deployment_settings == expected_deployment(chart_values(name))
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_the_engine_deployment_runs_the_replicas_autoscaling_and_router_the_values_say(name):
+    """What Serve gets for the engine deployment (EngineReplica): a fixed num_replicas or the
+    autoscaling_config, the request router, the drain period; and each engine replica's own
+    config (its bound arguments, loaded as the replica loads them) carries the same section."""
+    from ray.serve.config import AutoscalingConfig
+
+    serve_config = yaml.safe_load(rendered(name)["spec"]["serveConfigV2"])
+    _, engine = build_app(serve_config)
+    expected = expected_deployment(chart_values(name))
+    options = engine._deployment_config
+    if expected.autoscaling is None:
+        assert options.autoscaling_config is None
+        assert options.num_replicas == expected.replicas
+    else:
+        assert options.autoscaling_config == AutoscalingConfig(**expected.autoscaling_config)
+    router = options.request_router_config.request_router_class
+    assert (router == "actors.prefix_router:PrefixAffinityRouter") == (
+        expected.routing == "prefix")
+    if expected.routing == "prefix":
+        kwargs = options.request_router_config.request_router_kwargs
+        assert kwargs["imbalance_threshold"] == expected.imbalance_threshold
+    (app_config,) = serve_config["applications"]
+    grace = {d["name"]: d["graceful_shutdown_timeout_s"] for d in app_config["deployments"]}
+    assert grace[engine.name] == chart_values(name)["drain"]["gracePeriodSeconds"]
+    config_path, overrides = engine.init_args
+    assert load_config(in_checkout(config_path), overrides).deployment_settings == expected
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_the_worker_group_holds_the_most_engine_replicas_the_config_allows(name):
+    """GPUs the engine replicas take at most (each: a GPU per TP rank, and one for a model draft
+    on cuda, as actors/engine.py places them) fit in the worker group's largest size, and with
+    autoscaling the chart turns KubeRay's autoscaler on."""
+    rs = rendered(name)
+    config, _ = build_replica(yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    deployment = config.deployment_settings
+    cluster = rs["spec"]["rayClusterConfig"]
+    group = worker_group(rs)
+    most = deployment.replicas if deployment.autoscaling is None else (
+        deployment.autoscaling.max_replicas)
+    per_replica = config.tensor_parallel_size + (config.draft == "model")
+    pods = group["maxReplicas"] if deployment.autoscaling else group["replicas"]
+    assert most * per_replica <= pods * int(group["rayStartParams"]["num-gpus"])
+    assert cluster["enableInTreeAutoscaling"] is (deployment.autoscaling is not None)
+    if deployment.autoscaling is not None:
+        assert group["minReplicas"] >= 1  # Serve's proxy (the Service's endpoint) on a worker
 
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
@@ -217,6 +304,9 @@ def test_strict_pack_wider_than_a_worker_fails_to_render():
     (("overrides", "placement", "verifier_strategy"), "pack", "verifier_strategy"),
     (("overrides", "tracing"), {"exporter": "otlp-grpc"}, "tracing"),
     (("overrides", "speculative_tokens"), 4, "speculative_tokens"),
+    (("overrides", "deployment", "routing"), "round_robin", "deployment.routing"),
+    (("overrides", "deployment", "autoscaling"), {"min_replicas": 1, "max_replica": 2},
+     "max_replica"),
 ])
 def test_a_value_the_code_rejects_fails_the_contract(path, value, field):
     serve_config = yaml.safe_load(rendered("defaults")["spec"]["serveConfigV2"])
@@ -226,6 +316,23 @@ def test_a_value_the_code_rejects_fails_the_contract(path, value, field):
     node[path[-1]] = value
     with pytest.raises(ValueError, match=field):
         build_replica(serve_config)
+
+
+def test_every_chart_value_the_config_reference_names_is_in_the_chart():
+    """docs/config.md's `chart` column names values.yaml keys that exist (a renamed value shows)."""
+    text = (REPO / "docs" / "config.md").read_text()
+    values = yaml.safe_load((REPO / "helm/specrelay/values.yaml").read_text())
+    named = set()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 5:
+            named |= set(re.findall(r"`(specrelay\.[A-Za-z.]+)`", cells[-1]))
+    assert "specrelay.deployment.autoscaling.targetOngoingRequests" in named
+    for dotted in sorted(named):
+        node = values
+        for key in dotted.split("."):
+            assert isinstance(node, dict) and key in node, f"docs/config.md names {dotted}"
+            node = node[key]
 
 
 def test_the_image_holds_the_configs_where_the_chart_looks():
@@ -246,11 +353,27 @@ def chart_values(name: str) -> dict:
     sets, json_sets = VALUE_SETS[name]
     for s in sets:
         key, raw = s.split("=", 1)
-        _assign(values, key, int(raw) if raw.isdigit() else raw)
+        _assign(values, key, {"true": True, "false": False}.get(raw, int(raw) if raw.isdigit()
+                                                                else raw))
     for s in json_sets:
         key, raw = s.split("=", 1)
         _assign(values, key, json.loads(raw))
     return values
+
+
+def expected_deployment(values: dict) -> DeploymentSettings:
+    """The DeploymentSettings the chart's values mean (docs/config.md's `chart` column)."""
+    d = values["specrelay"]["deployment"]
+    a = d["autoscaling"]
+    autoscaling = None
+    if a["enabled"]:
+        autoscaling = Autoscaling(
+            min_replicas=a["minReplicas"], max_replicas=a["maxReplicas"],
+            target_ongoing_requests=a["targetOngoingRequests"],
+            upscale_delay_s=a["upscaleDelaySeconds"],
+            downscale_delay_s=a["downscaleDelaySeconds"])
+    return DeploymentSettings(replicas=d["replicas"], routing=d["routing"],
+                              imbalance_threshold=d["imbalanceThreshold"], autoscaling=autoscaling)
 
 
 def _assign(values: dict, dotted: str, value: object) -> None:

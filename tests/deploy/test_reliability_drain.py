@@ -15,7 +15,7 @@ import yaml
 from support.helm_chart import pod_specs, ray_container, render_drain
 from support.server_fakes import ByteTok, FakeEngine
 
-from actors.serve_app import DRAIN_GRACE_S, SpecrelayServer, build_app
+from actors.serve_app import DRAIN_GRACE_S, EngineReplica, SpecrelayServer, build_app
 from pipeline.frontend.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,9 +76,9 @@ def test_drain_gives_up_after_its_timeout_and_reports_what_is_left():
 def test_helm_drain_period_is_serves_graceful_shutdown_and_the_prestop_sleep(grace, shutdown):
     rs, grace, shutdown = render_drain(grace, shutdown)
     (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
-    (dep,) = app["deployments"]
-    assert dep["name"] == SpecrelayServer.name
-    assert dep["graceful_shutdown_timeout_s"] == grace
+    # Both deployments drain: the ingress's HTTP streams and each engine replica's (scale-down).
+    assert {d["name"]: d["graceful_shutdown_timeout_s"] for d in app["deployments"]} == {
+        SpecrelayServer.name: grace, EngineReplica.name: grace}
     for template in pod_specs(rs).values():
         assert template["spec"]["terminationGracePeriodSeconds"] == grace + shutdown
         assert ray_container(template)["lifecycle"]["preStop"]["exec"]["command"][-1] == (
