@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, ParentBased, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -70,6 +71,8 @@ _HINTS = {"endpoint": "otlp_endpoint", "protocol": "otlp_protocol",
 
 _log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
+# The one form specrelay writes (`traceparent_of`, OpenSpan.traceparent): version 00, nothing more.
+_TRACEPARENT_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,16 @@ def context_from_traceparent(tp: str | None) -> context_api.Context:
     None or malformed (the new span then starts a trace of its own)."""
     if not tp:
         return context_api.Context()
-    return _PROPAGATOR.extract({"traceparent": tp}, context=context_api.Context())
+    m = _TRACEPARENT_00.fullmatch(tp)
+    if m is None:  # another version, surrounding blanks, or malformed: the propagator decides
+        return _PROPAGATOR.extract({"traceparent": tp}, context=context_api.Context())
+    # What the propagator builds for this form, without its carrier and header plumbing (a step
+    # message parses one per step on the output path).
+    trace_id, span_id = int(m[1], 16), int(m[2], 16)
+    if not trace_id or not span_id:
+        return context_api.Context()
+    parent = SpanContext(trace_id, span_id, True, TraceFlags(int(m[3], 16)))
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent), context_api.Context())
 
 
 # ------------------------------------------------------------------------------- hot-path spans
@@ -290,6 +302,12 @@ class OpenSpan:
         return f"00-{self.context.trace_id:032x}-{self.context.span_id:016x}-{self.context.trace_flags:02x}"
 
 
+_UNSET = Status()  # immutable; shared by every span that ends without an error
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_RECORD_AND_SAMPLE, _RECORD_ONLY = Decision.RECORD_AND_SAMPLE, Decision.RECORD_ONLY
+
+
 class SpanRecorder:
     """Spans for the output path, built as finished ReadableSpans in one go.
 
@@ -308,6 +326,9 @@ class SpanRecorder:
     def __init__(self, tracer: trace.Tracer, scope: str = TRACER_NAME) -> None:
         self.enabled = isinstance(tracer, SdkTracer)
         self._tracer = tracer
+        # An SDK tracer keeps its provider's sampler and id generator for life.
+        self._sampler = getattr(tracer, "sampler", None)
+        self._ids = getattr(tracer, "id_generator", None)
         self._scope = InstrumentationScope(scope)
 
     def start(
@@ -320,21 +341,20 @@ class SpanRecorder:
         """Decide and identify a span (None when the recorder is disabled)."""
         if not self.enabled:
             return None
-        tracer = self._tracer
-        parent_ctx = trace.get_current_span(parent).get_span_context() if parent else None
-        if parent_ctx is not None and not parent_ctx.is_valid:
-            parent_ctx = None
-        trace_id = parent_ctx.trace_id if parent_ctx else tracer.id_generator.generate_trace_id()
-        result = tracer.sampler.should_sample(parent, trace_id, name, kind, None, links)
-        flags = TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT
-        ctx = SpanContext(
-            trace_id,
-            tracer.id_generator.generate_span_id(),
-            is_remote=False,
-            trace_flags=TraceFlags(flags),
-            trace_state=result.trace_state,
-        )
-        return OpenSpan(name, ctx, parent_ctx, kind, time.time_ns(), result.decision.is_recording())
+        parent_ctx = None
+        if parent:
+            parent_ctx = trace.get_current_span(parent).get_span_context()
+            if not parent_ctx.is_valid:
+                parent_ctx = None
+        ids = self._ids
+        trace_id = parent_ctx.trace_id if parent_ctx is not None else ids.generate_trace_id()
+        result = self._sampler.should_sample(parent, trace_id, name, kind, None, links)
+        decision = result.decision
+        sampled = decision is _RECORD_AND_SAMPLE
+        ctx = SpanContext(trace_id, ids.generate_span_id(), False,
+                          _SAMPLED if sampled else _NOT_SAMPLED, result.trace_state)
+        return OpenSpan(name, ctx, parent_ctx, kind, time.time_ns(),
+                        sampled or decision is _RECORD_ONLY)
 
     def end(
         self,
@@ -347,7 +367,7 @@ class SpanRecorder:
         """Finish `span` with these attributes, events and links; nothing when not recording."""
         if span is None or not span.recording:
             return
-        status = Status()
+        status = _UNSET
         if error is not None:  # what the SDK's record_exception / set_status would have added
             status = Status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
             exc = {"exception.type": type(error).__name__, "exception.message": str(error)}
