@@ -29,9 +29,10 @@ Span and attribute names are DESIGN's. Added here (documented for `specrelay tra
   `finish.matched_kind` says which ("string" or "token_id") so a reader can give back the exact
   `matched_stop`. Both are omitted when nothing was matched (length, abort).
 
-Cost: spans are built by `pipeline.tracing.otel.SpanRecorder` (the SDK's sampler, ids and processors,
-without its per-value validation). Per step: one span, a few C-level passes over the batch (links,
-the finished outputs, the arrays); nothing per token. A step whose span is not sampled builds no
+Cost: spans are built by `pipeline.tracing.recorder.SpanRecorder` (the SDK's sampler, ids and
+processors, without its per-value validation). Per step: one span, a few C-level passes over the
+batch (the arrays; the ids and links only when the batch or the recorded requests changed since
+the last step; the outputs only when a request finished); nothing per token. A step whose span is not sampled builds no
 attribute, event or link; a request whose span is not sampled is never linked. Not thread-safe,
 like the OutputProcessor it wraps (one output actor, one thread).
 """
@@ -48,7 +49,8 @@ from opentelemetry.trace import Link, SpanKind
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, decode_columns
-from pipeline.tracing.otel import OpenSpan, SpanRecorder, context_from_traceparent, get_tracer
+from pipeline.tracing.otel import context_from_traceparent, get_tracer
+from pipeline.tracing.recorder import OpenSpan, SpanRecorder
 
 ENGINE_STEP_SPAN = "spec.engine_step"
 REQUEST_SPAN = "spec.request"
@@ -153,7 +155,7 @@ class TracedOutputProcessor:
         length gives the finish's window position), none for a request the step is dropped for.
         """
         rids = cols.rids
-        span = self.spans.start(STEP_SPAN, context_from_traceparent(cols.traceparent), _CONSUMER)
+        span = self.spans.start_child(STEP_SPAN, cols.traceparent, _CONSUMER)
         recording = span is not None and span.recording
         # Links are taken before inner ends the requests that finish in this step.
         ids, links = self._batch(rids) if recording else ((), ())

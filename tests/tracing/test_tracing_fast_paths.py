@@ -9,7 +9,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from opentelemetry import context as context_api
 from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
+from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pipeline import SamplingParams
@@ -17,6 +20,7 @@ from pipeline.output.processor import OutputProcessor
 from pipeline.output.spans import TracedOutputProcessor
 from pipeline.protocol import VerifyStep, encode
 from pipeline.tracing.otel import context_from_traceparent, make_provider, resolve_config
+from pipeline.tracing.recorder import SpanRecorder
 
 HEX = "0123456789abcdef"
 
@@ -50,6 +54,34 @@ def parent_of(ctx: context_api.Context) -> trace.SpanContext:
 def test_traceparent_parse_equals_the_propagator(tp):
     want = TraceContextTextMapPropagator().extract({"traceparent": tp}, context_api.Context())
     assert parent_of(context_from_traceparent(tp)) == parent_of(want)
+
+
+def recorders() -> list[tuple[SpanRecorder, bool]]:
+    """Recorders over `make_provider`'s sampler (the parent's flag decides) and over samplers
+    whose decision the recorder must ask for."""
+    made = [SpanRecorder(make_provider(resolve_config("t", {"sample_ratio": r}, environ={}))
+                         .get_tracer("t")) for r in (0.0, 0.5, 1.0)]
+    asked = [SpanRecorder(TracerProvider(sampler=s).get_tracer("t"))
+             for s in (ALWAYS_ON, ParentBased(ALWAYS_ON, remote_parent_sampled=ALWAYS_OFF))]
+    return [(r, True) for r in made] + [(r, False) for r in asked]
+
+
+RECORDERS = recorders()
+REMOTE = st.builds("00-{}-{}-{}".format, hex_text(32), hex_text(16), st.sampled_from(["00", "01"]))
+
+
+@given(st.one_of(REMOTE, TRACEPARENTS))
+@settings(max_examples=200, deadline=None)
+def test_start_child_decides_as_start_with_the_parsed_context(tp):
+    for recorder, follows in RECORDERS:
+        assert recorder._follows_remote is follows
+        fast = recorder.start_child("s", tp, SpanKind.CONSUMER)
+        plain = recorder.start("s", context_from_traceparent(tp), SpanKind.CONSUMER)
+        assert (fast.name, fast.kind, fast.parent) == (plain.name, plain.kind, plain.parent)
+        if plain.parent is not None:  # a root span's decision follows its own random trace id
+            a, b = fast.context, plain.context
+            assert (a.trace_id, a.trace_flags, a.trace_state, a.is_remote, fast.recording) == (
+                b.trace_id, b.trace_flags, b.trace_state, b.is_remote, plain.recording)
 
 
 # A program: each op adds a request (its span recorded or not), aborts one, or runs a step over
