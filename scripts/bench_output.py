@@ -56,8 +56,10 @@ def make_processor(tokenizer, args: argparse.Namespace) -> tuple[object, Callabl
     if not args.trace:
         return OutputProcessor(tokenizer, EOS), lambda: None
     # --trace: spans at the given sampling ratio through a BatchSpanProcessor into an exporter that
-    # drops them, so this measures recording, not export. Lazy: without --trace the measured
-    # process has no opentelemetry loaded, as an untraced output actor would not.
+    # drops them, so this measures recording, not export; `--trace-export otlp` also encodes each
+    # batch as an OTLP exporter would (protobuf bytes, then dropped: no network). Lazy: without
+    # --trace the measured process has no opentelemetry loaded, as an untraced output actor has.
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     from pipeline.output.spans import TracedOutputProcessor
@@ -65,6 +67,8 @@ def make_processor(tokenizer, args: argparse.Namespace) -> tuple[object, Callabl
 
     class Discard(SpanExporter):
         def export(self, spans):
+            if args.trace_export == "otlp":
+                encode_spans(spans).SerializeToString()
             return SpanExportResult.SUCCESS
 
     cfg = resolve_config("bench", {"sample_ratio": args.trace_ratio}, environ={})
@@ -185,24 +189,28 @@ def throughput(tokenizer, args, params, top_n, label: str) -> float:
     return tokens / wall
 
 
-def engine_traceparent(rnd: random.Random) -> str:
-    """A sampled W3C traceparent, as a traced engine puts in every step message (its step span)."""
-    return f"00-{rnd.getrandbits(127) + 1:032x}-{rnd.getrandbits(63) + 1:016x}-01"
+def engine_traceparent(rnd: random.Random, ratio: float) -> str:
+    """The W3C traceparent a traced engine puts in every step message (its step span's), sampled
+    with probability `ratio` as the engine's own sampler would (its step spans are roots)."""
+    flags = "01" if rnd.random() < ratio else "00"
+    return f"00-{rnd.getrandbits(127) + 1:032x}-{rnd.getrandbits(63) + 1:016x}-{flags}"
 
 
 def trace_overhead(tokenizer, args, params, top_n, label: str) -> float:
     """Paired: an untraced and a traced processor in one process, over the same requests and the
     same steps, blocks alternating (so machine noise hits both alike); a warm-up pair first. What
-    differs is what tracing changes in a deployment: the traced arm's steps carry a sampled
-    traceparent each, as a traced engine's do (its output span is their child); the untraced arm's
-    carry none. Each traced block ends with a flush of its span processor inside the timed region,
-    so handing the block's spans on and freeing them is counted in the traced arm, never in the
-    untraced one. Returns the median over pairs of traced / untraced CPU time a step."""
+    differs is what tracing changes in a deployment: the traced arm's steps carry a traceparent
+    each, sampled at the same ratio, as a traced engine's do (the output span follows it); the
+    untraced arm's carry none. Each traced block ends with a flush of its span processor inside
+    the timed region, so handing the block's spans on (and, with `--trace-export otlp`, encoding
+    them) and freeing them is counted in the traced arm, never in the untraced one. Returns the
+    median over pairs of traced / untraced CPU time a step."""
     rng, rnd = np.random.default_rng(0), random.Random(0)
     pool = text_token_pool(tokenizer, rng)
     arms = []
     for trace in (False, True):
-        proc, flush = make_processor(tokenizer, argparse.Namespace(**{**vars(args), "trace": trace}))
+        arm = argparse.Namespace(**{**vars(args), "trace": trace})
+        proc, flush = make_processor(tokenizer, arm)
         rids = add_requests(proc, args.requests, params, label)  # the same ids in both arms
         arms.append((proc, flush))
     warm = step_columns(rids, pool, 1, 1, 0, top_n, rng)[0]
@@ -212,8 +220,9 @@ def trace_overhead(tokenizer, args, params, top_n, label: str) -> float:
     samples: list[list[tuple[float, float]]] = [[], []]
     for r in range(pairs + 1):
         cols = step_columns(rids, pool, args.window, args.steps, 1 + r * args.steps, top_n, rng)
+        tps = [engine_traceparent(rnd, args.trace_ratio) for _ in cols]
         blocks = ([encode_columns(c) for c in cols],
-                  [encode_columns(replace(c, traceparent=engine_traceparent(rnd))) for c in cols])
+                  [encode_columns(replace(c, traceparent=tp)) for c, tp in zip(cols, tps)])
         for k in ((0, 1) if r % 2 == 0 else (1, 0)):
             proc, flush = arms[k]
             timed = time_block(proc, blocks[k], flush)
@@ -280,6 +289,9 @@ def main() -> None:
     ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--trace", action="store_true", help="TracedOutputProcessor, spans discarded")
     ap.add_argument("--trace-ratio", type=float, default=1.0, help="sampling ratio for --trace")
+    ap.add_argument("--trace-export", choices=("discard", "otlp"), default="discard",
+                    help="discard: spans dropped at export (recording only); otlp: encoded to "
+                         "OTLP protobuf first, as an OTLP exporter does, then dropped")
     ap.add_argument("--pairs", type=int, default=None,
                     help="--trace-overhead: untraced/traced block pairs (default 2 x --repeats)")
     ap.add_argument("--trace-overhead", action="store_true",

@@ -13,7 +13,8 @@ from support.serve_helpers import ROOT
 SMALL = ["--requests", "8", "--steps", "3", "--repeats", "2", "--skip-scaling"]
 
 
-@pytest.mark.parametrize("extra", [["--gc", "default"], ["--trace-overhead", "--trace-ratio", "0.5"]])
+@pytest.mark.parametrize("extra", [["--gc", "default"], ["--trace-overhead", "--trace-ratio", "0.5"],
+                                   ["--trace-overhead", "--trace-export", "otlp"]])
 def test_bench_output_runs_and_reports_rates(extra):
     out = subprocess.run([sys.executable, "scripts/bench_output.py", *SMALL, *extra], check=False,
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
