@@ -102,6 +102,7 @@ class TracedOutputProcessor:
         self._live: dict[str, _Live] = {}
         self._links: dict[str, Link] = {}  # requests whose span is recorded -> link to it
         # The last recorded step's ids and links (`_batch`); stale once `_links` changes.
+        self._batch_rids: list[str] = []
         self._batch_ids: tuple[str, ...] = ()
         self._batch_links: tuple[Link, ...] = ()
         self._batch_stale = True
@@ -203,10 +204,10 @@ class TracedOutputProcessor:
         """The step's request ids as a tuple and its links (to the recorded requests, in step
         order). A decode step usually carries the same requests as the one before: then, unless a
         request span started or ended since, both are the last step's (no lookup per request)."""
-        ids = tuple(rids)
-        if self._batch_stale or ids != self._batch_ids:
-            self._batch_ids = ids
-            self._batch_links = tuple(filter(None, map(self._links.get, ids)))
+        if self._batch_stale or rids != self._batch_rids:
+            self._batch_rids = list(rids)  # a copy: the caller's list may change later
+            self._batch_ids = tuple(rids)
+            self._batch_links = tuple(filter(None, map(self._links.get, rids)))
             self._batch_stale = False
         return self._batch_ids, self._batch_links
 
