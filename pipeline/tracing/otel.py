@@ -71,6 +71,7 @@ _log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 # The one form specrelay writes (`traceparent_of`, OpenSpan.traceparent): version 00, nothing more.
 _TRACEPARENT_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_FLAGS = {"00": TraceFlags(0), "01": TraceFlags(1)}  # the two every traced engine writes
 
 
 @dataclass(frozen=True)
@@ -289,4 +290,7 @@ def parent_from_traceparent(tp: str | None) -> SpanContext | None:
     trace_id, span_id = int(m[1], 16), int(m[2], 16)
     if not trace_id or not span_id:
         return None
-    return SpanContext(trace_id, span_id, True, TraceFlags(int(m[3], 16)))
+    flags = _FLAGS.get(m[3])
+    if flags is None:
+        flags = TraceFlags(int(m[3], 16))
+    return SpanContext(trace_id, span_id, True, flags)
