@@ -1,7 +1,7 @@
 """Benchmark the output path (pipeline.output.OutputProcessor) on 256 requests x 5-token windows.
 
     .venv/bin/python scripts/bench_output.py [--requests 256] [--window 5] [--skip-scaling] [--trace]
-    .venv/bin/python scripts/bench_output.py --trace-overhead [--trace-ratio 0.1]
+    .venv/bin/python scripts/bench_output.py --trace-overhead [--trace-ratio 0.1] [--pairs 10]
 
 Prints accepted tokens/s through `process` (msgpack decode + validation + ids, finish checks and the
 logprob boundary), then the same with detokenization (SmolLM2 tokenizer), 2 stop strings and top-5
@@ -14,7 +14,8 @@ decode is ~1 us per request, too small for the tokenizer's thread pool to pay of
 the environment to compare). `make_processor` is the one place that builds the processor under test, so
 a traced variant (pipeline.output.spans.TracedOutputProcessor) is a one-line change there.
 The garbage collector is set as in the output actor (pipeline.gc_tuning); `--gc default` keeps
-CPython's settings, for comparison.
+CPython's settings, for comparison. The first line printed names the commit (and "dirty" when
+tracked files differ from it).
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -38,18 +43,23 @@ from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
 from pipeline.tokenizer import load_tokenizer
 
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
 STOPS = ["Observation:", "<|END|>"]
 EOS = [2]
 LENGTHS = (100, 10_000, 100_000)
 
 
-def make_processor(tokenizer, args: argparse.Namespace):
-    """The processor under test (wrap it here, e.g. in a TracedOutputProcessor, for --trace)."""
+def make_processor(tokenizer, args: argparse.Namespace) -> tuple[object, Callable[[], object]]:
+    """The processor under test (wrap it here, e.g. in a TracedOutputProcessor, for --trace) and
+    a flush of its span processor (a no-op untraced)."""
     if not args.trace:
-        return OutputProcessor(tokenizer, EOS)
+        return OutputProcessor(tokenizer, EOS), lambda: None
     # --trace: spans at the given sampling ratio through a BatchSpanProcessor into an exporter that
-    # drops them, so this measures recording, not export. Lazy: without --trace the measured
-    # process has no opentelemetry loaded, as an untraced output actor would not.
+    # drops them, so this measures recording, not export; `--trace-export otlp` also encodes each
+    # batch as an OTLP exporter would (protobuf bytes, then dropped: no network). Lazy: without
+    # --trace the measured process has no opentelemetry loaded, as an untraced output actor has.
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     from pipeline.output.spans import TracedOutputProcessor
@@ -57,11 +67,14 @@ def make_processor(tokenizer, args: argparse.Namespace):
 
     class Discard(SpanExporter):
         def export(self, spans):
+            if args.trace_export == "otlp":
+                encode_spans(spans).SerializeToString()
             return SpanExportResult.SUCCESS
 
     cfg = resolve_config("bench", {"sample_ratio": args.trace_ratio}, environ={})
-    tracer = make_provider(cfg, Discard()).get_tracer("specrelay")
-    return TracedOutputProcessor(OutputProcessor(tokenizer, EOS), tracer)
+    provider = make_provider(cfg, Discard())
+    proc = TracedOutputProcessor(OutputProcessor(tokenizer, EOS), provider.get_tracer("specrelay"))
+    return proc, provider.force_flush
 
 
 def smollm2_tokenizer():
@@ -82,7 +95,7 @@ def text_token_pool(tokenizer, rng: np.random.Generator) -> np.ndarray:
     return np.array(sorted(set(tokenizer.encode(sample, add_special_tokens=False))))
 
 
-def payloads(
+def step_columns(
     rids: list[str],
     pool: np.ndarray,
     window: int,
@@ -90,8 +103,8 @@ def payloads(
     step0: int,
     top_n: int | None,
     rng: np.random.Generator,
-) -> list[bytes]:
-    """`steps` encoded verify steps: every request gets `window` tokens (window - 1 drafts)."""
+) -> list[StepColumns]:
+    """`steps` verify steps: every request gets `window` tokens (window - 1 drafts)."""
     b = len(rids)
     out = []
     for s in range(steps):
@@ -101,7 +114,7 @@ def payloads(
             tn = np.full(b, top_n, dtype=np.int64)
             top_ids = rng.integers(0, 49_152, size=n * top_n)
             top_lps = -rng.random(n * top_n)
-        cols = StepColumns(
+        out.append(StepColumns(
             step=step0 + s,
             rids=rids,
             lengths=np.full(b, window, dtype=np.int64),
@@ -112,17 +125,25 @@ def payloads(
             top_ids=top_ids,
             top_logprobs=top_lps,
             time=1.0,
-        )
-        out.append(encode_columns(cols))
+        ))
     return out
 
 
+def payloads(rids, pool, window, steps, step0, top_n, rng) -> list[bytes]:
+    """`step_columns`, encoded."""
+    return [encode_columns(c) for c in step_columns(rids, pool, window, steps, step0, top_n, rng)]
+
+
 def setup(tokenizer, args, params: SamplingParams, prefix: str):
-    proc = make_processor(tokenizer, args)
-    rids = [f"{prefix}-{i}" for i in range(args.requests)]
+    proc, _ = make_processor(tokenizer, args)
+    return proc, add_requests(proc, args.requests, params, prefix)
+
+
+def add_requests(proc, n: int, params: SamplingParams, prefix: str) -> list[str]:
+    rids = [f"{prefix}-{i}" for i in range(n)]
     for rid in rids:
         proc.add_request(rid, [1, 2, 3], params)
-    return proc, rids
+    return rids
 
 
 def catch_up(proc, rids, pool, length: int, window: int, top_n, rng) -> int:
@@ -135,11 +156,13 @@ def catch_up(proc, rids, pool, length: int, window: int, top_n, rng) -> int:
     return length // window
 
 
-def time_block(proc, block: list[bytes]) -> tuple[float, float]:
-    """Seconds per step: (wall, CPU)."""
+def time_block(proc, block: list[bytes], flush: Callable[[], object] = lambda: None
+               ) -> tuple[float, float]:
+    """Seconds per step: (wall, CPU); `flush` (timed too) ends the block."""
     t0, c0 = time.perf_counter(), time.process_time()
     for p in block:
         proc.process(p)
+    flush()
     return (time.perf_counter() - t0) / len(block), (time.process_time() - c0) / len(block)
 
 
@@ -166,29 +189,54 @@ def throughput(tokenizer, args, params, top_n, label: str) -> float:
     return tokens / wall
 
 
+def engine_traceparent(rnd: random.Random, ratio: float) -> str:
+    """The W3C traceparent a traced engine puts in every step message (its step span's), sampled
+    with probability `ratio` as the engine's own sampler would (its step spans are roots)."""
+    flags = "01" if rnd.random() < ratio else "00"
+    return f"00-{rnd.getrandbits(127) + 1:032x}-{rnd.getrandbits(63) + 1:016x}-{flags}"
+
+
 def trace_overhead(tokenizer, args, params, top_n, label: str) -> float:
-    """Paired: an untraced and a traced processor in one process, blocks alternating (so machine
-    noise hits both alike); returns the traced / untraced per-step CPU time."""
-    rng = np.random.default_rng(0)
+    """Paired: an untraced and a traced processor in one process, over the same requests and the
+    same steps, blocks alternating (so machine noise hits both alike); a warm-up pair first. What
+    differs is what tracing changes in a deployment: the traced arm's steps carry a traceparent
+    each, sampled at the same ratio, as a traced engine's do (the output span follows it); the
+    untraced arm's carry none. Each traced block ends with a flush of its span processor inside
+    the timed region, so handing the block's spans on (and, with `--trace-export otlp`, encoding
+    them) and freeing them is counted in the traced arm, never in the untraced one. Returns the
+    median over pairs of traced / untraced CPU time a step."""
+    rng, rnd = np.random.default_rng(0), random.Random(0)
     pool = text_token_pool(tokenizer, rng)
-    procs = []
+    arms = []
     for trace in (False, True):
-        proc, rids = setup(tokenizer, argparse.Namespace(**{**vars(args), "trace": trace}),
-                           params, f"{label}-{trace}")
-        proc.process(payloads(rids, pool, 1, 1, 0, top_n, rng)[0])
-        procs.append((proc, rids))
+        arm = argparse.Namespace(**{**vars(args), "trace": trace})
+        proc, flush = make_processor(tokenizer, arm)
+        rids = add_requests(proc, args.requests, params, label)  # the same ids in both arms
+        arms.append((proc, flush))
+    warm = step_columns(rids, pool, 1, 1, 0, top_n, rng)[0]
+    for proc, flush in arms:
+        proc.process(encode_columns(warm))
+    pairs = args.pairs if args.pairs is not None else 2 * args.repeats
     samples: list[list[tuple[float, float]]] = [[], []]
-    for r in range(2 * args.repeats):
-        order = (0, 1) if r % 2 == 0 else (1, 0)
-        for k in order:
-            proc, rids = procs[k]
-            block = payloads(rids, pool, args.window, args.steps, 1 + r * args.steps, top_n, rng)
-            samples[k].append(time_block(proc, block))
-    (w0, c0), (w1, c1) = median_times(samples[0]), median_times(samples[1])
-    print(f"{label}: untraced {w0 * 1e3:.3f} ms/step, traced (ratio {args.trace_ratio}) "
-          f"{w1 * 1e3:.3f} ms/step: {100 * (w1 / w0 - 1):+.1f}% wall, "
-          f"{100 * (c1 / c0 - 1):+.1f}% CPU")
-    return c1 / c0
+    for r in range(pairs + 1):
+        cols = step_columns(rids, pool, args.window, args.steps, 1 + r * args.steps, top_n, rng)
+        tps = [engine_traceparent(rnd, args.trace_ratio) for _ in cols]
+        blocks = ([encode_columns(c) for c in cols],
+                  [encode_columns(replace(c, traceparent=tp)) for c, tp in zip(cols, tps)])
+        for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+            proc, flush = arms[k]
+            timed = time_block(proc, blocks[k], flush)
+            if r:  # pair 0 warms up
+                samples[k].append(timed)
+    c0, c1 = (statistics.median(c for _, c in s) for s in samples)
+    ratio = [t[1] / u[1] for u, t in zip(*samples)]
+    wall = statistics.median(t[0] / u[0] for u, t in zip(*samples))
+    med = statistics.median(ratio)
+    print(f"{label}: untraced {c0 * 1e3:.3f} ms/step, traced (ratio {args.trace_ratio}) "
+          f"{c1 * 1e3:.3f} ms/step (CPU, medians); traced/untraced over {pairs} pairs: "
+          f"{100 * (min(ratio) - 1):+.1f}% to {100 * (max(ratio) - 1):+.1f}%, "
+          f"wall {100 * (wall - 1):+.1f}%, median {100 * (med - 1):+.1f}% CPU")
+    return med
 
 
 def length_scaling(tokenizer, args, params, top_n, label: str) -> list[float]:
@@ -222,6 +270,15 @@ def length_scaling(tokenizer, args, params, top_n, label: str) -> list[float]:
     return [c for _, c in med]
 
 
+def git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=False)
+    except OSError:
+        return ""
+    return done.stdout.strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=256)
@@ -232,6 +289,11 @@ def main() -> None:
     ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--trace", action="store_true", help="TracedOutputProcessor, spans discarded")
     ap.add_argument("--trace-ratio", type=float, default=1.0, help="sampling ratio for --trace")
+    ap.add_argument("--trace-export", choices=("discard", "otlp"), default="discard",
+                    help="discard: spans dropped at export (recording only); otlp: encoded to "
+                         "OTLP protobuf first, as an OTLP exporter does, then dropped")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="--trace-overhead: untraced/traced block pairs (default 2 x --repeats)")
     ap.add_argument("--trace-overhead", action="store_true",
                     help="only the paired traced-vs-untraced comparison (at --trace-ratio)")
     ap.add_argument("--gc", choices=("tuned", "default"), default="tuned",
@@ -244,7 +306,9 @@ def main() -> None:
     tok = smollm2_tokenizer()
     if args.gc == "tuned":
         tune_gc()
-    print(f"{args.requests} requests x {args.window}-token windows, GC {args.gc}")
+    dirty = " (dirty)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    print(f"{args.requests} requests x {args.window}-token windows, GC {args.gc}, "
+          f"commit {git('rev-parse', '--short', 'HEAD') or '?'}{dirty}")
     if args.trace_overhead:
         trace_overhead(None, args, ids_params, None, "tracing overhead, ids")
         trace_overhead(tok, args, text_params, 5, "tracing overhead, text")

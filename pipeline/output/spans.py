@@ -29,9 +29,10 @@ Span and attribute names are DESIGN's. Added here (documented for `specrelay tra
   `finish.matched_kind` says which ("string" or "token_id") so a reader can give back the exact
   `matched_stop`. Both are omitted when nothing was matched (length, abort).
 
-Cost: spans are built by `pipeline.tracing.otel.SpanRecorder` (the SDK's sampler, ids and processors,
-without its per-value validation). Per step: one span, a few C-level passes over the batch (links,
-the finished outputs, the arrays); nothing per token. A step whose span is not sampled builds no
+Cost: spans are built by `pipeline.tracing.recorder.SpanRecorder` (the SDK's sampler, ids and
+processors, without its per-value validation). Per step: one span, a few C-level passes over the
+batch (the arrays; the ids and links only when the batch or the recorded requests changed since
+the last step; the outputs only when a request finished); nothing per token. A step whose span is not sampled builds no
 attribute, event or link; a request whose span is not sampled is never linked. Not thread-safe,
 like the OutputProcessor it wraps (one output actor, one thread).
 """
@@ -48,7 +49,8 @@ from opentelemetry.trace import Link, SpanKind
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, decode_columns
-from pipeline.tracing.otel import OpenSpan, SpanRecorder, context_from_traceparent, get_tracer
+from pipeline.tracing.otel import context_from_traceparent, get_tracer
+from pipeline.tracing.recorder import OpenSpan, SpanRecorder
 
 ENGINE_STEP_SPAN = "spec.engine_step"
 REQUEST_SPAN = "spec.request"
@@ -88,9 +90,10 @@ def matched_from_attributes(attrs: dict[str, Any]) -> int | str | None:
 class TracedOutputProcessor:
     """Wraps an OutputProcessor (same public API) and records its requests and steps as spans.
 
-    `inner` must offer `add_request`, `abort`, `process_columns`; payloads are decoded once here and
-    the columns handed on. Outputs are returned unchanged. `tracer` (default: this process's, from
-    `setup_tracing`) must come from an SDK TracerProvider; any other tracer records nothing.
+    `inner` must offer `add_request`, `abort`, `process_columns` and `num_requests`; payloads are
+    decoded once here and the columns handed on. Outputs are returned unchanged. `tracer` (default:
+    this process's, from `setup_tracing`) must come from an SDK TracerProvider; any other tracer
+    records nothing.
     """
 
     def __init__(self, inner: Any, tracer: trace.Tracer | None = None) -> None:
@@ -98,6 +101,11 @@ class TracedOutputProcessor:
         self.spans = SpanRecorder(tracer if tracer is not None else get_tracer())
         self._live: dict[str, _Live] = {}
         self._links: dict[str, Link] = {}  # requests whose span is recorded -> link to it
+        # The last recorded step's ids and links (`_batch`); stale once `_links` changes.
+        self._batch_rids: list[str] = []
+        self._batch_ids: tuple[str, ...] = ()
+        self._batch_links: tuple[Link, ...] = ()
+        self._batch_stale = True
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -115,6 +123,7 @@ class TracedOutputProcessor:
         self._live[rid] = _Live(span, len(prompt_ids))
         if span is not None and span.recording:
             self._links[rid] = Link(span.context)
+            self._batch_stale = True
 
     def abort(self, rid: str) -> RequestOutput | None:
         out = self.inner.abort(rid)
@@ -147,10 +156,11 @@ class TracedOutputProcessor:
         length gives the finish's window position), none for a request the step is dropped for.
         """
         rids = cols.rids
-        span = self.spans.start(STEP_SPAN, context_from_traceparent(cols.traceparent), _CONSUMER)
+        span = self.spans.start_child(STEP_SPAN, cols.traceparent, _CONSUMER)
         recording = span is not None and span.recording
         # Links are taken before inner ends the requests that finish in this step.
-        links = list(filter(None, map(self._links.get, rids))) if recording else None
+        ids, links = self._batch(rids) if recording else ((), ())
+        running = self.inner.num_requests
         try:
             outs = self.inner.process_columns(cols)
         except Exception as e:  # inner changed nothing; neither do we
@@ -158,7 +168,8 @@ class TracedOutputProcessor:
             raise
         if cols.cached is not None:  # a step that prefills: its requests' cache hits
             self._note_cached(rids, cols.cached.tolist())
-        finished = [out for out in outs if out.finished]
+        # A finishing request leaves inner: when none left, no output needs looking at.
+        finished = [o for o in outs if o.finished] if self.inner.num_requests != running else ()
         if not recording:
             for out in finished:
                 self._end_finished(out, cols.step)
@@ -175,18 +186,30 @@ class TracedOutputProcessor:
             retained[rids.index(out.rid)] = kept
             events.append(Event(FINISH_EVENT, self._end_finished(out, cols.step, kept)))
         accepted = (cols.lengths - 1).tolist()  # raw: len <= drafted + 1, so 0 for a prefill
+        drafted = cols.drafted.tolist()
         attrs = {
             "spec.step": cols.step,
             "spec.batch_size": len(rids),
-            "spec.drafted_tokens": int(cols.drafted.sum()),
-            "spec.accepted_tokens": sum(accepted),
-            "spec.request.ids": tuple(rids),
-            "spec.request.drafted": tuple(cols.drafted.tolist()),
+            "spec.drafted_tokens": sum(drafted),
+            "spec.accepted_tokens": int(cols.offsets[-1]) - len(rids),  # sum(accepted)
+            "spec.request.ids": ids,
+            "spec.request.drafted": tuple(drafted),
             "spec.request.accepted": tuple(accepted),
             "spec.request.retained": tuple(retained),
         }
         self.spans.end(span, attrs, events, links)
         return outs
+
+    def _batch(self, rids: list[str]) -> tuple[tuple[str, ...], tuple[Link, ...]]:
+        """The step's request ids as a tuple and its links (to the recorded requests, in step
+        order). A decode step usually carries the same requests as the one before: then, unless a
+        request span started or ended since, both are the last step's (no lookup per request)."""
+        if self._batch_stale or rids != self._batch_rids:
+            self._batch_rids = list(rids)  # a copy: the caller's list may change later
+            self._batch_ids = tuple(rids)
+            self._batch_links = tuple(filter(None, map(self._links.get, rids)))
+            self._batch_stale = False
+        return self._batch_ids, self._batch_links
 
     def _note_cached(self, rids: list[str], cached: list[int]) -> None:
         # A request's first step is its prefill: keep that one (not a preempted one's rerun).
@@ -222,8 +245,10 @@ class TracedOutputProcessor:
 
     def _end_request(self, rid: str, attrs: dict[str, Any]) -> None:
         live = self._live.pop(rid, None)
-        if self._links.pop(rid, None) is None or live is None:  # not recorded
+        link = self._links.pop(rid, None)
+        if link is None or live is None:  # not recorded
             return
+        self._batch_stale = True
         head = {"request.id": rid, "request.prompt_tokens": live.prompt_tokens}
         if live.cached_tokens is not None:
             head["request.cached_tokens"] = live.cached_tokens

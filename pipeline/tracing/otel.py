@@ -21,7 +21,8 @@ the defaults below.
     batch                   -                                            True (BatchSpanProcessor)
     max_links / max_events  OTEL_SPAN_LINK_COUNT_LIMIT / _EVENT_COUNT_   4096 (a step links every request)
 
-`OTEL_SDK_DISABLED=true` turns everything into the no-op tracer. The sampler is always
+`OTEL_SDK_DISABLED=true` turns everything into the no-op tracer. The output path's spans are built
+by pipeline.tracing.recorder on top of this set-up. The sampler is always
 ParentBased(TraceIdRatioBased(ratio)): a span whose parent came in sampled (HTTP header, verifier
 message) is recorded, so one trace is never cut in half between processes.
 """
@@ -30,16 +31,15 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
-from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -47,8 +47,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pipeline.tracing.trace_file import JsonLinesSpanExporter
@@ -70,6 +69,9 @@ _HINTS = {"endpoint": "otlp_endpoint", "protocol": "otlp_protocol",
 
 _log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
+# The one form specrelay writes (`traceparent_of`, OpenSpan.traceparent): version 00, nothing more.
+_TRACEPARENT_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_FLAGS = {"00": TraceFlags(0), "01": TraceFlags(1)}  # the two every traced engine writes
 
 
 @dataclass(frozen=True)
@@ -267,104 +269,28 @@ def traceparent_of(span: trace.Span | None) -> str | None:
 def context_from_traceparent(tp: str | None) -> context_api.Context:
     """A Context whose current span is the remote parent `tp` names; empty Context when tp is
     None or malformed (the new span then starts a trace of its own)."""
-    if not tp:
+    parent = parent_from_traceparent(tp)
+    if parent is None:
         return context_api.Context()
-    return _PROPAGATOR.extract({"traceparent": tp}, context=context_api.Context())
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent), context_api.Context())
 
 
-# ------------------------------------------------------------------------------- hot-path spans
-
-
-@dataclass(slots=True)
-class OpenSpan:
-    """A span started by SpanRecorder: its identity and start time; nothing else is kept."""
-
-    name: str
-    context: SpanContext
-    parent: SpanContext | None
-    kind: SpanKind
-    start_ns: int
-    recording: bool
-
-    def traceparent(self) -> str:
-        return f"00-{self.context.trace_id:032x}-{self.context.span_id:016x}-{self.context.trace_flags:02x}"
-
-
-class SpanRecorder:
-    """Spans for the output path, built as finished ReadableSpans in one go.
-
-    Why not `tracer.start_span`: the SDK validates every attribute value element by element and
-    rebuilds an attribute set for every link, about 1.5 us per request per step for a step span
-    that links a 256-request batch -- 30% of the output processor's own time. Here a span is
-    decided at start (the tracer's own sampler and id generator, so sampling and ids are the
-    SDK's) and assembled at end from values the caller guarantees well-typed (str, int, float,
-    bool, or tuples of one of them), then handed to the tracer's span processors (batch, export)
-    exactly as an ended SDK span is. Not applied: span limits and processors' `on_start`.
-
-    `tracer` must be an SDK tracer (from a TracerProvider); for anything else (OpenTelemetry's
-    no-op or proxy tracer) `enabled` is False and nothing is recorded.
-    """
-
-    def __init__(self, tracer: trace.Tracer, scope: str = TRACER_NAME) -> None:
-        self.enabled = isinstance(tracer, SdkTracer)
-        self._tracer = tracer
-        self._scope = InstrumentationScope(scope)
-
-    def start(
-        self,
-        name: str,
-        parent: context_api.Context | None = None,
-        kind: SpanKind = SpanKind.INTERNAL,
-        links: Sequence[Link] = (),
-    ) -> OpenSpan | None:
-        """Decide and identify a span (None when the recorder is disabled)."""
-        if not self.enabled:
-            return None
-        tracer = self._tracer
-        parent_ctx = trace.get_current_span(parent).get_span_context() if parent else None
-        if parent_ctx is not None and not parent_ctx.is_valid:
-            parent_ctx = None
-        trace_id = parent_ctx.trace_id if parent_ctx else tracer.id_generator.generate_trace_id()
-        result = tracer.sampler.should_sample(parent, trace_id, name, kind, None, links)
-        flags = TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT
-        ctx = SpanContext(
-            trace_id,
-            tracer.id_generator.generate_span_id(),
-            is_remote=False,
-            trace_flags=TraceFlags(flags),
-            trace_state=result.trace_state,
-        )
-        return OpenSpan(name, ctx, parent_ctx, kind, time.time_ns(), result.decision.is_recording())
-
-    def end(
-        self,
-        span: OpenSpan | None,
-        attributes: dict[str, Any],
-        events: Sequence[Event] = (),
-        links: Sequence[Link] = (),
-        error: BaseException | None = None,
-    ) -> None:
-        """Finish `span` with these attributes, events and links; nothing when not recording."""
-        if span is None or not span.recording:
-            return
-        status = Status()
-        if error is not None:  # what the SDK's record_exception / set_status would have added
-            status = Status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
-            exc = {"exception.type": type(error).__name__, "exception.message": str(error)}
-            events = (*events, Event("exception", exc))
-        self._tracer.span_processor.on_end(
-            ReadableSpan(
-                name=span.name,
-                context=span.context,
-                parent=span.parent,
-                resource=self._tracer.resource,
-                attributes=attributes,
-                events=tuple(events),
-                links=tuple(links),
-                kind=span.kind,
-                status=status,
-                start_time=span.start_ns,
-                end_time=time.time_ns(),
-                instrumentation_scope=self._scope,
-            )
-        )
+def parent_from_traceparent(tp: str | None) -> SpanContext | None:
+    """The remote SpanContext `tp` names, as OpenTelemetry's W3C propagator reads it; None when
+    tp is None or malformed."""
+    if not tp:
+        return None
+    m = _TRACEPARENT_00.fullmatch(tp)
+    if m is None:  # another version, surrounding blanks, or malformed: the propagator decides
+        ctx = _PROPAGATOR.extract({"traceparent": tp}, context=context_api.Context())
+        parent = trace.get_current_span(ctx).get_span_context()
+        return parent if parent.is_valid else None
+    # What the propagator builds for this form, without its carrier and header plumbing (a step
+    # message parses one per step on the output path).
+    trace_id, span_id = int(m[1], 16), int(m[2], 16)
+    if not trace_id or not span_id:
+        return None
+    flags = _FLAGS.get(m[3])
+    if flags is None:
+        flags = TraceFlags(int(m[3], 16))
+    return SpanContext(trace_id, span_id, True, flags)

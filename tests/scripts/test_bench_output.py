@@ -13,17 +13,22 @@ from support.serve_helpers import ROOT
 SMALL = ["--requests", "8", "--steps", "3", "--repeats", "2", "--skip-scaling"]
 
 
-@pytest.mark.parametrize("extra", [["--gc", "default"], ["--trace-overhead", "--trace-ratio", "0.5"]])
+@pytest.mark.parametrize("extra", [["--gc", "default"], ["--trace-overhead", "--trace-ratio", "0.5"],
+                                   ["--trace-overhead", "--trace-export", "otlp"]])
 def test_bench_output_runs_and_reports_rates(extra):
     out = subprocess.run([sys.executable, "scripts/bench_output.py", *SMALL, *extra], check=False,
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
-    assert lines[0] == f"8 requests x 5-token windows, GC {'default' if '--gc' in extra else 'tuned'}"
+    gc_mode = "default" if "--gc" in extra else "tuned"
+    assert re.fullmatch(rf"8 requests x 5-token windows, GC {gc_mode}, commit \S+( \(dirty\))?",
+                        lines[0]), lines[0]
     if "--trace-overhead" in extra:
         assert [ln.split(":")[0] for ln in lines[1:]] == ["tracing overhead, ids",
                                                           "tracing overhead, text"]
-        assert all(re.search(r"[+-]\d+\.\d% CPU$", ln) for ln in lines[1:])
+        pct = r"[+-]\d+\.\d%"
+        assert all(re.search(rf"over 4 pairs: {pct} to {pct}, wall {pct}, median {pct} CPU$", ln)
+                   for ln in lines[1:]), lines
     else:
         rates = [float(m.group(1).replace(",", ""))
                  for m in map(re.compile(r": ([\d,]+) accepted tokens/s").search, lines[1:]) if m]
