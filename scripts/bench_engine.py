@@ -43,7 +43,6 @@ import inspect
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -64,6 +63,7 @@ from pipeline.models.runner import ModelRunner
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
 from pipeline.tokenizer import eos_token_ids
+from scripts.tree_state import tree_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD_DIR = os.path.join(ROOT, "scripts", "workloads")
@@ -894,19 +894,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def meta(args: argparse.Namespace, config: Any, elapsed: float) -> dict[str, Any]:
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=ROOT,
-                                  check=False).stdout.strip()
-        except OSError:
-            return ""
-
-    dirty = git("status", "--porcelain", "--untracked-files=no")
     return {"args": vars(args), "model": config.model, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "loadavg": os.getloadavg(), "platform": platform.platform(),
-            "commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(dirty),
-            "dirty_files": dirty.splitlines(),
+            "loadavg": os.getloadavg(), "platform": platform.platform(), **tree_state(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "elapsed_s": elapsed}
 
 

@@ -25,7 +25,6 @@ import gc
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,8 +41,7 @@ from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
 from pipeline.tokenizer import load_tokenizer
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from scripts.tree_state import tree_state
 
 STOPS = ["Observation:", "<|END|>"]
 EOS = [2]
@@ -270,15 +268,6 @@ def length_scaling(tokenizer, args, params, top_n, label: str) -> list[float]:
     return [c for _, c in med]
 
 
-def git(*args: str) -> str:
-    try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=False)
-    except OSError:
-        return ""
-    return done.stdout.strip()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=256)
@@ -306,9 +295,9 @@ def main() -> None:
     tok = smollm2_tokenizer()
     if args.gc == "tuned":
         tune_gc()
-    dirty = " (dirty)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    tree = tree_state()
     print(f"{args.requests} requests x {args.window}-token windows, GC {args.gc}, "
-          f"commit {git('rev-parse', '--short', 'HEAD') or '?'}{dirty}")
+          f"commit {tree['commit'] or '?'}{' (dirty)' if tree['dirty'] else ''}")
     if args.trace_overhead:
         trace_overhead(None, args, ids_params, None, "tracing overhead, ids")
         trace_overhead(tok, args, text_params, 5, "tracing overhead, text")

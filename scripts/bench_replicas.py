@@ -35,7 +35,6 @@ import platform
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -47,6 +46,8 @@ import httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from scripts.tree_state import tree_state
 
 ONE, MANY = "bench-r1", "bench-rn"  # the two applications (and their route prefixes)
 
@@ -335,17 +336,8 @@ def mismatches(runs: list[Run]) -> list[str]:
 
 
 def meta(args: argparse.Namespace, elapsed: float) -> dict[str, Any]:
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=ROOT,
-                                  check=False).stdout.strip()
-        except OSError:
-            return ""
-
-    dirty = git("status", "--porcelain", "--untracked-files=no")
     return {"args": vars(args), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "platform": platform.platform(), "commit": git("rev-parse", "--short", "HEAD"),
-            "dirty": bool(dirty), "dirty_files": dirty.splitlines(),
+            "platform": platform.platform(), **tree_state(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "elapsed_s": elapsed}
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -34,6 +33,7 @@ sys.path.insert(0, ROOT)
 from pipeline.engine.spec.policy import SpecController
 from pipeline.engine.spec.record import span_attributes
 from pipeline.spec_settings import SpecSettings
+from scripts.tree_state import tree_state
 
 MAX_K = 16
 
@@ -78,11 +78,6 @@ def measure(batch: int, steps: int, seed: int, tracer=None) -> tuple[float, floa
     return ((time.perf_counter() - t0) * 1e3 / steps, (time.process_time() - c0) * 1e3 / steps)
 
 
-def git(*args: str) -> str:
-    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-    return done.stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
@@ -92,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also a sampled engine step span with the decision attributes")
     args = ap.parse_args(argv)
     tracer = discarding_tracer() if args.trace else None
-    out: dict = {"commit": git("rev-parse", "--short", "HEAD"),
-                 "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-                 "batches": {}}
+    out: dict = {**tree_state(), "batches": {}}
     for b in args.batches:
         runs = [measure(b, args.steps, seed, tracer) for seed in range(args.repeats)]
         wall, cpu = ([r[i] for r in runs] for i in (0, 1))
