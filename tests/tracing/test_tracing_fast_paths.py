@@ -99,6 +99,11 @@ UNSAMPLED_PARENT = "00-" + "1" * 32 + "-" + "2" * 16 + "-00"
 
 
 @given(OPS)
+# the same running request beside a different unknown one (other ids, same running set)
+@example([("add", 0, True), ("step", [0, 1], False, 0), ("step", [0, 2], False, 0)])
+# the same requests in another order
+@example([("add", 0, True), ("add", 1, True), ("step", [0, 1], False, 0),
+          ("step", [1, 0], False, 0)])
 @settings(max_examples=150, deadline=None)
 def test_step_spans_equal_the_plain_computation(ops):
     exporter = InMemorySpanExporter()
