@@ -5,7 +5,8 @@ request's deltas per `generate(call)` call from the ingress (actors/serve_app.py
 - Its Engine actor is named `specrelay-engine:<app>:<replica id>` (actors/replica_client.py),
   so the ingress can ask every replica for stats and health, not one the router picks.
 - A cancelled call (the ingress's client went away, a timeout) raises CancelledError inside the
-  generator; EngineClient aborts the engine request on the way out.
+  generator; the relay stops reading (pipeline.output.coalesce) and EngineClient aborts the
+  engine request on the way out.
 - An engine error ends only this replica's requests and keeps its type (429, 400, 503, 504 at
   the ingress as before); a dead Engine actor fails `check_health`, and Serve replaces the
   replica (its new engine starts with an empty cache; prefix routing re-learns).
@@ -33,6 +34,7 @@ from actors.serve_common import (
     resolve_config_path,
 )
 from pipeline.config import load_config
+from pipeline.output.coalesce import coalesce
 from pipeline.output.delta_codec import encode_deltas
 from pipeline.protocol.engine_call import EngineCall
 from pipeline.tracing.otel import (
@@ -63,15 +65,17 @@ class EngineReplica:
         self.client = EngineClient(self.engine)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[bytes]:
-        """The request's deltas, one msgpack delta message each (pipeline.output.delta_codec)."""
+        """The request's deltas as msgpack delta messages (pipeline.output.delta_codec): each
+        carries every delta that arrived since the last one was sent (one, unless this replica is
+        busy), as each message costs both ends the same whatever it carries."""
         span = get_tracer().start_span(
             "spec.replica.request", context=context_from_traceparent(call.traceparent),
             attributes={"request.id": call.rid, "serve.replica": self.replica})
+        outs = self.client.generate(call.rid, call.prompt_ids, call.params, call.traceparent,
+                                    call.group, call.last, call.tenant)
         try:
-            async for out in self.client.generate(call.rid, call.prompt_ids, call.params,
-                                                  call.traceparent, call.group, call.last,
-                                                  call.tenant):
-                yield encode_deltas([out])
+            async for batch in coalesce(outs):
+                yield encode_deltas(batch)
         finally:
             span.end()
 
