@@ -32,6 +32,9 @@ def test_bench_replicas_runs_both_apps_and_checks_outputs(ray_cluster, capsys, t
     assert result["summary"]["speedup_median"] > 0
     for name in ("engine_ttft", "handle_ttft", "http_ttft", "hop_call_added"):
         assert 0 < result["hop"][name]["p50_ms"] <= result["hop"][name]["p99_ms"]
+    hop = result["hop"]
+    for q in ("p50_ms", "p99_ms"):  # the shift is of the two distributions, not of the pairs
+        assert hop["ttft_shift"][q] == pytest.approx(hop["handle_ttft"][q] - hop["engine_ttft"][q])
     assert set(result["meta"]) >= {"commit", "dirty", "dirty_files", "date"}
     assert out.is_file()
     printed = capsys.readouterr().out
