@@ -136,6 +136,14 @@ def wait_for(condition, timeout: float, what: str, seen: list) -> float:
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; states: {seen}")
 
 
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
 def test_a_load_ramp_scales_the_engine_deployment_1_2_1_with_no_failed_request(ray_cluster):
     app_args = {"config": TINY, "overrides": OVERRIDES, "request_timeout_s": 120}
     groups_before = placement_groups()
@@ -151,8 +159,16 @@ def test_a_load_ramp_scales_the_engine_deployment_1_2_1_with_no_failed_request(r
             time.sleep(3)  # both replicas serve
             groups_at_two = placement_groups()
             # Down to about one replica's worth: long streams, one per replica, while Serve
-            # decides to scale down and drains the replica it stops.
-            load.max_tokens, load.clients = 400, 2
+            # decides to scale down and drains the replica it stops. Placed one at a time, on
+            # idle engines, so the router sends the second to the replica the first is not on
+            # (whichever replica Serve stops is then serving one); the pauses are well under
+            # downscale_delay_s, so Serve cannot scale down before they run.
+            load.clients = 0
+            wait_until(lambda: load.inflight == 0, 60, "the short streams to end")
+            wait_until(lambda: sum(running_requests()) == 0, 30, "idle engines")
+            load.max_tokens, load.clients = 400, 1
+            wait_until(lambda: sum(running_requests()) == 1, 30, "the first long stream")
+            load.clients = 2
             drained_busy: list[list[int]] = []
             stopping_since: list[float] = []
 
