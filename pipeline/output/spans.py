@@ -7,9 +7,11 @@ Span and attribute names are DESIGN's. Added here (documented for `specrelay tra
 
 - On `spec.verify_step`, per-request arrays aligned with `spec.request.ids` (the step's request ids,
   in message order): `spec.request.drafted` (drafts proposed), `spec.request.accepted` (raw
-  acceptance, len - 1), `spec.request.retained` (tokens kept in the output: the whole window, the
-  part up to the finish position, or 0 for a request the step was dropped for). One attribute per
-  step, not one event per request, keeps the cost per step flat.
+  acceptance, len - 1). What each request kept in the output is its whole window (accepted + 1),
+  but for a request the step finished (`finish.window_position` + 1 of its `spec.finish` event);
+  only a step that was dropped for some of its requests (unknown or already finished ones, a stale
+  step) spells it out as `spec.request.retained` (0 for those). One attribute per step, not one
+  event per request, keeps the cost per step flat, and what can be derived is not written.
 - On the engine's `spec.engine_step` span (the parent of `spec.verify_step`; pipeline.engine.core),
   why each request's k was chosen, for sampled steps only (pipeline.engine.spec.record): arrays
   aligned with its own `spec.request.ids` (same message order: prefills, then decodes):
@@ -39,6 +41,7 @@ linked. Not thread-safe, like the OutputProcessor it wraps (one output actor, on
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +88,24 @@ def matched_from_attributes(attrs: dict[str, Any]) -> int | str | None:
     if attrs.get("finish.matched_kind") == "token_id":
         return int(value)
     return str(value)
+
+
+def retained_from_step(attrs: Mapping[str, Any], events: Iterable[Any]) -> list[int | None]:
+    """What each request of a `spec.verify_step` span kept in the output, aligned with its
+    `spec.request.ids` (None where its acceptance is unknown): the inverse of what
+    `TracedOutputProcessor` writes. `events` are the span's events (anything with `name` and
+    `attributes`)."""
+    retained = attrs.get("spec.request.retained")
+    if retained is not None:
+        return list(retained)
+    kept = {}
+    for ev in events:
+        position = ev.attributes.get("finish.window_position")
+        if ev.name == FINISH_EVENT and position is not None:
+            kept[str(ev.attributes.get("request.id"))] = int(position) + 1
+    ids = attrs.get("spec.request.ids") or ()
+    accepted = attrs.get("spec.request.accepted") or [None] * len(ids)
+    return [kept.get(str(rid), None if a is None else a + 1) for rid, a in zip(ids, accepted)]
 
 
 class TracedOutputProcessor:
@@ -174,17 +195,6 @@ class TracedOutputProcessor:
             for out in finished:
                 self._end_finished(out, cols.step)
             return outs
-        lengths = cols.lengths.tolist()
-        if len(outs) == len(rids):  # nobody dropped: every window retained whole but the finishes
-            retained = lengths
-        else:
-            live = self._live
-            retained = [n if rid in live else 0 for rid, n in zip(rids, lengths)]
-        events = []
-        for out in finished:
-            kept = len(out.token_ids)
-            retained[rids.index(out.rid)] = kept
-            events.append(Event(FINISH_EVENT, self._end_finished(out, cols.step, kept)))
         accepted = (cols.lengths - 1).tolist()  # raw: len <= drafted + 1, so 0 for a prefill
         drafted = cols.drafted.tolist()
         attrs = {
@@ -195,15 +205,20 @@ class TracedOutputProcessor:
             "spec.request.ids": ids,
             "spec.request.drafted": tuple(drafted),
             "spec.request.accepted": tuple(accepted),
-            "spec.request.retained": tuple(retained),
         }
+        if len(outs) != len(rids):  # rows dropped: what each request kept, spelled out
+            kept = {out.rid: len(out.token_ids) for out in outs}
+            attrs["spec.request.retained"] = tuple(kept.get(rid, 0) for rid in rids)
+        events = [Event(FINISH_EVENT, self._end_finished(out, cols.step, len(out.token_ids)))
+                  for out in finished]
         self.spans.end(span, attrs, events, links)
         return outs
 
     def _batch(self, rids: list[str]) -> tuple[tuple[str, ...], tuple[Link, ...]]:
         """The step's request ids as a tuple and its links (to the recorded requests, in step
         order). A decode step usually carries the same requests as the one before: then, unless a
-        request span started or ended since, both are the last step's (no lookup per request)."""
+        request span started or ended since, both are the last step's (no lookup per request;
+        and the spans waiting for export share one ids tuple, not one copy of the ids each)."""
         if self._batch_stale or rids != self._batch_rids:
             self._batch_rids = list(rids)  # a copy: the caller's list may change later
             self._batch_ids = tuple(rids)

@@ -29,6 +29,7 @@ from pipeline.output.spans import (
     REQUEST_SPAN,
     STEP_SPAN,
     matched_from_attributes,
+    retained_from_step,
 )
 from pipeline.tracing.trace_file import SpanRecord, read_spans
 
@@ -113,7 +114,7 @@ class TraceIndex:
             return {rid: StepEntry(n, None, None, None) for rid in rids if rid is not None}
         drafted = a.get("spec.request.drafted") or [None] * len(ids)
         accepted = a.get("spec.request.accepted") or [None] * len(ids)
-        retained = a.get("spec.request.retained") or [None] * len(ids)
+        retained = retained_from_step(a, step.events)
         return {
             str(rid): StepEntry(n, d, acc, r)
             for rid, d, acc, r in zip(ids, drafted, accepted, retained)

@@ -13,7 +13,11 @@ from support.trace_scenario import EOS, run_scenario, toks
 
 from pipeline import SamplingParams
 from pipeline.output.processor import OutputProcessor
-from pipeline.output.spans import TracedOutputProcessor, matched_from_attributes
+from pipeline.output.spans import (
+    TracedOutputProcessor,
+    matched_from_attributes,
+    retained_from_step,
+)
 from pipeline.protocol import ProtocolError, VerifyStep, encode
 from pipeline.tracing.otel import make_provider, resolve_config, traceparent_of
 
@@ -126,16 +130,19 @@ def test_step_span_attributes_carry_raw_acceptance_and_per_request_arrays(traced
     step = {
         s.attributes["spec.step"]: dict(s.attributes) for s in by_name(spans, "spec.verify_step")
     }
+    events = {s.attributes["spec.step"]: s.events for s in by_name(spans, "spec.verify_step")}
     assert step[0]["spec.batch_size"] == 6
     assert (step[0]["spec.drafted_tokens"], step[0]["spec.accepted_tokens"]) == (0, 0)
     # step 1 windows 4,5,3,1,2,3 of 4 drafted each: raw accepted = 3+4+2+0+1+2 (before truncation)
     assert (step[1]["spec.drafted_tokens"], step[1]["spec.accepted_tokens"]) == (24, 12)
     assert step[1]["spec.request.ids"] == ("eos", "hash", "len", "split", "abort", "last")
     assert step[1]["spec.request.accepted"] == (3, 4, 2, 0, 1, 2)
-    assert step[1]["spec.request.retained"] == (3, 3, 3, 1, 2, 3)
+    assert retained_from_step(step[1], events[1]) == [3, 3, 3, 1, 2, 3]
+    assert "spec.request.retained" not in step[1]  # finishes only: derived from their events
     assert (step[2]["spec.drafted_tokens"], step[2]["spec.accepted_tokens"]) == (8, 5)
     assert step[2]["spec.request.drafted"] == (0, 4, 3, 1)
     assert step[2]["spec.request.retained"] == (0, 2, 1, 2)  # eos dropped; len capped at 2
+    assert retained_from_step(step[2], events[2]) == [0, 2, 1, 2]
 
 
 def test_request_span_end_attributes_match_the_final_output(traced):
@@ -269,5 +276,5 @@ def test_a_large_step_links_every_request():
     proc.process(encode(VerifyStep(0, rids, [[7, 8]] * 300, [1] * 300)))
     (step,) = by_name(exporter.get_finished_spans(), "spec.verify_step")
     assert len(step.links) == 300 and len(step.events) == 300
-    assert step.attributes["spec.request.retained"] == (2,) * 300
+    assert retained_from_step(step.attributes, step.events) == [2] * 300
     assert {e.attributes["finish.window_position"] for e in step.events} == {1}
