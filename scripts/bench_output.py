@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_output.py [--requests 256] [--window 5] [--skip-scaling] [--trace]
     .venv/bin/python scripts/bench_output.py --trace-overhead [--trace-ratio 0.1] [--pairs 10]
+        [--actor-step]
 
 Prints accepted tokens/s through `process` (msgpack decode + validation + ids, finish checks and the
 logprob boundary), then the same with detokenization (SmolLM2 tokenizer), 2 stop strings and top-5
@@ -37,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pipeline.gc_tuning import tune_gc
 from pipeline.model_files import smollm2_path
+from pipeline.output.delta_codec import encode_deltas
 from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
@@ -187,6 +189,17 @@ def throughput(tokenizer, args, params, top_n, label: str) -> float:
     return tokens / wall
 
 
+class ActorStep:
+    """A step as the output actor runs it (actors/output.py, `OutputActor.process`): the
+    processor, then the step's deltas encoded for the engine (Ray's call itself not counted)."""
+
+    def __init__(self, proc) -> None:
+        self.proc = proc
+
+    def process(self, payload: bytes) -> bytes:
+        return encode_deltas(self.proc.process(payload))
+
+
 def engine_traceparent(rnd: random.Random, ratio: float) -> str:
     """The W3C traceparent a traced engine puts in every step message (its step span's), sampled
     with probability `ratio` as the engine's own sampler would (its step spans are roots)."""
@@ -201,8 +214,9 @@ def trace_overhead(tokenizer, args, params, top_n, label: str) -> float:
     each, sampled at the same ratio, as a traced engine's do (the output span follows it); the
     untraced arm's carry none. Each traced block ends with a flush of its span processor inside
     the timed region, so handing the block's spans on (and, with `--trace-export otlp`, encoding
-    them) and freeing them is counted in the traced arm, never in the untraced one. Returns the
-    median over pairs of traced / untraced CPU time a step."""
+    them) and freeing them is counted in the traced arm, never in the untraced one. With
+    `--actor-step` a step is timed as the output actor runs it (`ActorStep`). Returns the median
+    over pairs of traced / untraced CPU time a step."""
     rng, rnd = np.random.default_rng(0), random.Random(0)
     pool = text_token_pool(tokenizer, rng)
     arms = []
@@ -223,13 +237,15 @@ def trace_overhead(tokenizer, args, params, top_n, label: str) -> float:
                   [encode_columns(replace(c, traceparent=tp)) for c, tp in zip(cols, tps)])
         for k in ((0, 1) if r % 2 == 0 else (1, 0)):
             proc, flush = arms[k]
-            timed = time_block(proc, blocks[k], flush)
+            timed = time_block(ActorStep(proc) if args.actor_step else proc, blocks[k], flush)
             if r:  # pair 0 warms up
                 samples[k].append(timed)
     c0, c1 = (statistics.median(c for _, c in s) for s in samples)
     ratio = [t[1] / u[1] for u, t in zip(*samples)]
     wall = statistics.median(t[0] / u[0] for u, t in zip(*samples))
     med = statistics.median(ratio)
+    if args.actor_step:
+        label += ", actor step (process + encode deltas)"
     print(f"{label}: untraced {c0 * 1e3:.3f} ms/step, traced (ratio {args.trace_ratio}) "
           f"{c1 * 1e3:.3f} ms/step (CPU, medians); traced/untraced over {pairs} pairs: "
           f"{100 * (min(ratio) - 1):+.1f}% to {100 * (max(ratio) - 1):+.1f}%, "
@@ -285,6 +301,9 @@ def main() -> None:
                     help="--trace-overhead: untraced/traced block pairs (default 2 x --repeats)")
     ap.add_argument("--trace-overhead", action="store_true",
                     help="only the paired traced-vs-untraced comparison (at --trace-ratio)")
+    ap.add_argument("--actor-step", action="store_true",
+                    help="--trace-overhead: time a step as the output actor runs it (process, "
+                         "then encode the deltas for the engine)")
     ap.add_argument("--gc", choices=("tuned", "default"), default="tuned",
                     help="tuned: the output actor's GC settings (pipeline.gc_tuning); "
                          "default: CPython's")

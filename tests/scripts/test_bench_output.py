@@ -14,7 +14,8 @@ SMALL = ["--requests", "8", "--steps", "3", "--repeats", "2", "--skip-scaling"]
 
 
 @pytest.mark.parametrize("extra", [["--gc", "default"], ["--trace-overhead", "--trace-ratio", "0.5"],
-                                   ["--trace-overhead", "--trace-export", "otlp"]])
+                                   ["--trace-overhead", "--trace-export", "otlp"],
+                                   ["--trace-overhead", "--actor-step"]])
 def test_bench_output_runs_and_reports_rates(extra):
     out = subprocess.run([sys.executable, "scripts/bench_output.py", *SMALL, *extra], check=False,
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -24,8 +25,9 @@ def test_bench_output_runs_and_reports_rates(extra):
     assert re.fullmatch(rf"8 requests x 5-token windows, GC {gc_mode}, commit \S+( \(dirty\))?",
                         lines[0]), lines[0]
     if "--trace-overhead" in extra:
-        assert [ln.split(":")[0] for ln in lines[1:]] == ["tracing overhead, ids",
-                                                          "tracing overhead, text"]
+        scope = ", actor step (process + encode deltas)" if "--actor-step" in extra else ""
+        assert [ln.split(":")[0] for ln in lines[1:]] == [f"tracing overhead, ids{scope}",
+                                                          f"tracing overhead, text{scope}"]
         pct = r"[+-]\d+\.\d%"
         assert all(re.search(rf"over 4 pairs: {pct} to {pct}, wall {pct}, median {pct} CPU$", ln)
                    for ln in lines[1:]), lines
