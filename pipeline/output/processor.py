@@ -77,6 +77,9 @@ class OutputProcessor:
         self._finished_memory = finished_memory
         self._stop_refs: dict[int, int] = {}  # stop/EOS id -> running requests that stop on it
         self._stop_table: np.ndarray | None = None  # bool [max id + 2]; rebuilt when refs change
+        # The last applied step's request states, one per row (None: unknown). Identical objects
+        # in a later step mean the same requests in the same order (TracedOutputProcessor).
+        self.step_rows: list[RequestState | None] = []
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -158,7 +161,9 @@ class OutputProcessor:
             self._token_finishes(step)
         if self.detokenizer is not None and step.live:
             self._texts(step)
-        return self._commit(step)
+        outs = self._commit(step)
+        self.step_rows = step.rows
+        return outs
 
     def _select(self, cols: StepColumns) -> _Step:
         """Pass 1: which requests are in the step, and which might finish. No state changes but
@@ -167,7 +172,7 @@ class OutputProcessor:
         offs, live, slow, tops = step.offs, step.live, step.slow, step.tops
         hits = self._stop_token_hits(cols)
         get = self._requests.get
-        states = [get(r) for r in cols.rids]
+        states = step.rows = [get(r) for r in cols.rids]
         dropped = 0
         step_id = cols.step
         want_lp = False
@@ -384,6 +389,7 @@ class _Step:
     cols: StepColumns
     offs: list[int]
     toks: list[int]
+    rows: list[RequestState | None] = field(default_factory=list)  # per row; None: unknown
     live: list[tuple[int, RequestState]] = field(default_factory=list)  # known, not stale
     slow: list[tuple[int, RequestState]] = field(default_factory=list)  # might finish
     tops: list[tuple[int, int]] = field(default_factory=list)  # (index, top-N) asking top-N

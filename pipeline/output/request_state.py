@@ -61,7 +61,7 @@ class SpecStats:
         self.draft_tokens += drafted
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # one per running request: equal means the same request
 class RequestState:
     rid: str
     params: SamplingParams

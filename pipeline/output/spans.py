@@ -111,7 +111,8 @@ def retained_from_step(attrs: Mapping[str, Any], events: Iterable[Any]) -> list[
 class TracedOutputProcessor:
     """Wraps an OutputProcessor (same public API) and records its requests and steps as spans.
 
-    `inner` must offer `add_request`, `abort`, `process_columns` and `num_requests`; payloads are
+    `inner` must offer `add_request`, `abort`, `process_columns`, `num_requests` and `step_rows`
+    (pipeline.output.processor.OutputProcessor's); payloads are
     decoded once here and the columns handed on. Outputs are returned unchanged. `tracer` (default:
     this process's, from `setup_tracing`) must come from an SDK TracerProvider; any other tracer
     records nothing.
@@ -124,6 +125,7 @@ class TracedOutputProcessor:
         self._links: dict[str, Link] = {}  # requests whose span is recorded -> link to it
         # The last recorded step's ids and links (`_batch`); stale once `_links` changes.
         self._batch_rids: list[str] = []
+        self._batch_rows: list[Any] | None = None  # inner's `step_rows` of that step
         self._batch_ids: tuple[str, ...] = ()
         self._batch_links: tuple[Link, ...] = ()
         self._batch_stale = True
@@ -179,8 +181,6 @@ class TracedOutputProcessor:
         rids = cols.rids
         span = self.spans.start_child(STEP_SPAN, cols.traceparent, _CONSUMER)
         recording = span is not None and span.recording
-        # Links are taken before inner ends the requests that finish in this step.
-        ids, links = self._batch(rids) if recording else ((), ())
         running = self.inner.num_requests
         try:
             outs = self.inner.process_columns(cols)
@@ -195,6 +195,8 @@ class TracedOutputProcessor:
             for out in finished:
                 self._end_finished(out, cols.step)
             return outs
+        # Links are taken before the requests that finish in this step are ended (below).
+        ids, links = self._batch(rids, self.inner.step_rows if len(outs) == len(rids) else None)
         accepted = (cols.lengths - 1).tolist()  # raw: len <= drafted + 1, so 0 for a prefill
         drafted = cols.drafted.tolist()
         attrs = {
@@ -214,16 +216,22 @@ class TracedOutputProcessor:
         self.spans.end(span, attrs, events, links)
         return outs
 
-    def _batch(self, rids: list[str]) -> tuple[tuple[str, ...], tuple[Link, ...]]:
+    def _batch(
+        self, rids: list[str], rows: list[Any] | None
+    ) -> tuple[tuple[str, ...], tuple[Link, ...]]:
         """The step's request ids as a tuple and its links (to the recorded requests, in step
         order). A decode step usually carries the same requests as the one before: then, unless a
         request span started or ended since, both are the last step's (no lookup per request;
-        and the spans waiting for export share one ids tuple, not one copy of the ids each)."""
-        if self._batch_stale or rids != self._batch_rids:
+        and the spans waiting for export share one ids tuple, not one copy of the ids each).
+        Same requests: `rows` (inner's `step_rows`; None when a row was dropped) holds the same
+        state objects as the last step's (compared by identity), else the same ids."""
+        same = rows is not None and rows == self._batch_rows or rids == self._batch_rids
+        if self._batch_stale or not same:
             self._batch_rids = list(rids)  # a copy: the caller's list may change later
             self._batch_ids = tuple(rids)
             self._batch_links = tuple(filter(None, map(self._links.get, rids)))
             self._batch_stale = False
+        self._batch_rows = rows
         return self._batch_ids, self._batch_links
 
     def _note_cached(self, rids: list[str], cached: list[int]) -> None:

@@ -5,6 +5,7 @@ and links are reused only while nothing changed)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from opentelemetry import context as context_api
@@ -18,7 +19,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from pipeline import SamplingParams
 from pipeline.output.processor import OutputProcessor
 from pipeline.output.spans import TracedOutputProcessor, retained_from_step
-from pipeline.protocol import VerifyStep, encode
+from pipeline.protocol import ProtocolError, VerifyStep, encode
 from pipeline.tracing.otel import context_from_traceparent, make_provider, resolve_config
 from pipeline.tracing.recorder import SpanRecorder
 
@@ -104,18 +105,20 @@ UNSAMPLED_PARENT = "00-" + "1" * 32 + "-" + "2" * 16 + "-00"
 # the same requests in another order
 @example([("add", 0, True), ("add", 1, True), ("step", [0, 1], False, 0),
           ("step", [1, 0], False, 0)])
+# an id reused by a request whose span is not recorded: same ids, new request, no link
+@example([("add", 0, True), ("step", [0], False, 0), ("step", [0], False, 0), ("abort", 0),
+          ("add", 0, False), ("step", [0], False, 0), ("step", [0], False, 0)])
 @settings(max_examples=150, deadline=None)
 def test_step_spans_equal_the_plain_computation(ops):
     exporter = InMemorySpanExporter()
     provider = make_provider(resolve_config("t", {"batch": False}, environ={}), exporter)
     proc = TracedOutputProcessor(OutputProcessor(None, [2]), provider.get_tracer("t"))
-    step, added, expected = 0, set(), []
+    step, expected = 0, []
     for op in ops:
         if op[0] == "add":
             rid = f"r{op[1]}"
-            if rid in added:
+            if proc.inner.get_state(rid) is not None:  # running; a finished id may come back
                 continue
-            added.add(rid)
             proc.add_request(rid, [1], SamplingParams(max_new_tokens=6),
                              None if op[2] else UNSAMPLED_PARENT)
         elif op[0] == "abort":
@@ -150,3 +153,21 @@ def test_step_spans_equal_the_plain_computation(ops):
                     a["spec.request.accepted"], retained_from_step(a, s.events),
                     "spec.request.retained" in a))
     assert got == expected
+
+
+def test_step_rows_are_the_states_of_the_last_applied_step():
+    """What the step span's batch cache compares: one state per row, in message order, None for
+    an unknown request; a refused step leaves it as it was."""
+    proc = OutputProcessor(None, [2])
+    for rid in ("a", "b"):
+        proc.add_request(rid, [1], SamplingParams(max_new_tokens=6))
+    proc.process(encode(VerifyStep(0, ["b", "x", "a"], [[7], [7], [7]], [0, 0, 0])))
+    assert proc.step_rows == [proc.get_state("b"), None, proc.get_state("a")]
+    rows = proc.step_rows
+    proc.add_request("c", [1], SamplingParams(max_new_tokens=6, logprobs=0))
+    with pytest.raises(ProtocolError):  # asks for logprobs the step lacks
+        proc.process(encode(VerifyStep(1, ["c"], [[7]], [0])))
+    assert proc.step_rows is rows
+    twin = OutputProcessor(None, [2])
+    twin.add_request("a", [1], SamplingParams(max_new_tokens=6))
+    assert twin.get_state("a") != proc.get_state("a")  # equal only to itself
