@@ -33,10 +33,11 @@ Span and attribute names are DESIGN's. Added here (documented for `specrelay tra
 
 Cost: spans are built by `pipeline.tracing.recorder.SpanRecorder` (the SDK's sampler, ids and
 processors, without its per-value validation). Per step: one span, a few C-level passes over the
-batch (the arrays; the ids and links only when the batch or the recorded requests changed since
-the last step; the outputs only when a request finished); nothing per token. A step whose span
-is not sampled builds no attribute, event or link; a request whose span is not sampled is never
-linked. Not thread-safe, like the OutputProcessor it wraps (one output actor, one thread).
+batch (the arrays; a pointer compare of the inner's request states with the last step's, and the
+ids and links only when they or the recorded requests changed; the outputs only when a request
+finished or a row was dropped); nothing per token. A step whose span is not sampled builds no
+attribute, event or link; a request whose span is not sampled is never linked. Not thread-safe,
+like the OutputProcessor it wraps (one output actor, one thread).
 """
 
 from __future__ import annotations
