@@ -1,6 +1,8 @@
 """What the msgpack step messages cost on the Ray path: encode + decode time per step of the plan,
 the proposal and the outcome (pipeline.protocol.step_codec) at a few batch sizes, median of many
-repetitions, and the bytes each message takes. No model, no Ray.
+repetitions, and the bytes each message takes; then the output stage's deltas
+(pipeline.output.delta_codec: a step's deltas, output actor -> engine; one delta alone is the
+engine replica's relay message), ids only and with top-5 logprobs. No model, no Ray.
 
     python scripts/bench_step_messages.py [--batches 8 32] [--k 4] [--vocab 49152]
 
@@ -12,12 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pipeline.output.delta_codec import decode_deltas, encode_deltas
+from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.protocol import (
     NewRequest,
@@ -31,6 +39,7 @@ from pipeline.protocol import (
     encode_plan,
     encode_proposal,
 )
+from scripts.tree_state import tree_state
 
 
 def plan_of(b: int, k: int) -> StepPlan:
@@ -56,6 +65,23 @@ def outcome_of(b: int, k: int) -> StepOutcome:
                        [1.5] * b, decode_s=0.05)
 
 
+def deltas_of(b: int, k: int, top: int) -> list[RequestOutput]:
+    """A decode step's deltas: k + 1 tokens each with their logprobs (and `top` alternatives),
+    a few characters of text, a histogram of k + 1 positions; every 8th request finishing."""
+    out = []
+    for i in range(b):
+        n = k + 1
+        done = i % 8 == 7
+        out.append(RequestOutput(
+            f"req-{i:04d}-{'x' * 20}", [1000 + i + j for j in range(n)], " tok" * n,
+            [-0.25 * (j + 1) for j in range(n)],
+            [[(2000 + a, -1.0 - a) for a in range(top)] for _ in range(n)] if top else None,
+            done, "stop" if done else None, "eos" if done else None, 2 if done else None,
+            40 + i if done else None, 12 if done else None, 9 + i, 30 + i,
+            [3, 2, 2, 1, 1][:n], 36 + i))
+    return out
+
+
 def timed(fn: Callable[[object], object], arg: object, repeats: int) -> float:
     """Median microseconds of one call `fn(arg)`."""
     times = []
@@ -72,8 +98,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--repeats", type=int, default=2000)
+    ap.add_argument("--delta-batches", type=int, nargs="+", default=[1, 8, 256])
     args = ap.parse_args()
-    rows = []
+    rows: list[dict] = [{"tree": tree_state()}]  # the commit measured, and whether it was dirty
     for b in args.batches:
         cases = {
             "plan": (plan_of(b, args.k), encode_plan, decode_plan),
@@ -92,6 +119,15 @@ def main() -> None:
                          "encode_us": round(e, 1), "decode_us": round(d, 1)})
         rows.append({"batch": b, "message": "step (plan+proposal+outcome)",
                      "encode+decode_us": round(total, 1)})
+    for b in args.delta_batches:
+        for name, top in (("deltas", 0), ("deltas+top5", 5)):
+            batch = deltas_of(b, args.k, top)
+            payload = encode_deltas(batch)
+            assert decode_deltas(payload) == batch, "the deltas did not round-trip"
+            reps = max(20, args.repeats * 8 // max(8, b))
+            e, d = timed(encode_deltas, batch, reps), timed(decode_deltas, payload, reps)
+            rows.append({"batch": b, "message": name, "bytes": len(payload),
+                         "encode_us": round(e, 1), "decode_us": round(d, 1)})
     for row in rows:
         print(json.dumps(row))
 
