@@ -22,12 +22,13 @@ MAX_DRAFTED = 1024
 MAX_RID_CHARS = 256
 INT32_MAX = (1 << 31) - 1
 I32 = np.dtype("<i4")
+I64 = np.dtype("<i8")
 F32 = np.dtype("<f4")
 F64 = np.dtype("<f8")
 U8 = np.dtype("u1")
 # Short int/float lists go through the stdlib `array` (a list of 32 ints: ~1 us, numpy ~5 us);
 # its items are native-endian, which is the wire's little-endian only on little-endian hosts.
-_ARRAY_CODES = {I32: "i", F64: "d"} if sys.byteorder == "little" else {}
+_ARRAY_CODES = {I32: "i", I64: "q", F64: "d"} if sys.byteorder == "little" else {}
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
