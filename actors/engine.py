@@ -69,9 +69,10 @@ class StageActors:
 
 
 async def create_stage_actors(config: EngineConfig,
-                              report: Callable[[str], None] = lambda _: None) -> StageActors:
-    """Start the draft, verifier ranks (one placement-group bundle each) and output actors,
-    placed as `config.placement` says. `report` hears what it is waiting for (a placement group
+                              report: Callable[[str], None] = lambda _: None,
+                              group_name: str = "") -> StageActors:
+    """Start the draft, verifier ranks (one placement-group bundle each, the group named
+    `group_name`) and output actors, placed as `config.placement` says. `report` hears what it is waiting for (a placement group
     or an actor waits until the cluster has the resources, e.g. until a lost node is back)."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -85,7 +86,7 @@ async def create_stage_actors(config: EngineConfig,
     gpu = config.device.startswith("cuda")
     place = config.placement_spec
     bundles = place.verifier_bundles(config.tensor_parallel_size, gpu)
-    pg = placement_group(bundles, strategy=place.verifier_strategy)
+    pg = placement_group(bundles, strategy=place.verifier_strategy, name=group_name)
     report(f"waiting for the verifier placement group ({place.verifier_strategy} {bundles})")
     await pg.ready()
     verifiers = [
@@ -173,6 +174,7 @@ class Engine:
         self.core: EngineCore | None = None
         self.stages: RayStages | None = None
         self.restarts = 0
+        self.builds = 0  # names each build's placement group (stage_group_name)
         self.past_stalls = 0  # stall detections of the cores replaced by rebuilds
         self.tracer: Any = None
         self._rebuilding: asyncio.Task | None = None
@@ -188,7 +190,9 @@ class Engine:
         return await self.model_info()
 
     async def _build(self) -> None:
-        self.actors = await create_stage_actors(self.config, self._set_build_phase)
+        self.builds += 1
+        group = stage_group_name(ray.get_runtime_context().get_actor_id(), self.builds)
+        self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
         self.build_phase = ""
         self.stages = RayStages(self.actors)
         # A rebuild keeps the step timings: the stall bound stays adapted (docs/reliability.md)
@@ -362,7 +366,8 @@ def start_engine(config: EngineConfig, name: str | None = None,
     try:
         ray.get(handle.start.remote(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        ray.kill(handle, no_restart=True)  # its stage actors and placement group go with it
+        ray.kill(handle, no_restart=True)  # its stage actors go with it
+        remove_stage_groups(handle)
         raise TimeoutError(
             f"the engine did not start within {timeout_s:.0f}s: it needs {engine_needs(config)}; "
             f"the cluster has {ray.available_resources()} available") from None
@@ -375,3 +380,24 @@ def stop_engine(handle: Any) -> None:
         ray.get(handle.shutdown.remote(), timeout=30)
     finally:
         ray.kill(handle, no_restart=True)
+        remove_stage_groups(handle)
+
+
+def stage_group_name(engine_id: str, build: int) -> str:
+    return f"specrelay-stages:{engine_id}:{build}"
+
+
+def remove_stage_groups(engine: Any) -> int:
+    """Remove what is left of the placement groups the Engine actor `engine` made for its stages;
+    returns how many. Ray frees a group made by an actor only once that actor and its job have
+    both ended, and a Serve replica's job is the one that started Serve: an engine killed by a
+    signal kept its verifier CPUs/GPUs reserved, and its replacement could wait for them."""
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    prefix = stage_group_name(engine._actor_id.hex(), 0)[:-1]  # every build's
+    groups = [pg_id for pg_id, row in ray.util.placement_group_table().items()
+              if row["name"].startswith(prefix) and row["state"] != "REMOVED"]
+    for pg_id in groups:
+        with contextlib.suppress(Exception):  # removed meanwhile
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+    return len(groups)

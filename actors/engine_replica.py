@@ -24,7 +24,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from actors.engine import start_engine
+from actors.engine import remove_stage_groups, start_engine
 from actors.engine_client import EngineClient
 from actors.replica_client import engine_actor_name
 from actors.serve_common import (
@@ -95,7 +95,12 @@ class EngineReplica:
     async def check_health(self) -> None:
         # Only a dead engine actor fails the replica (Serve restarts it); an engine that is
         # rebuilding its stages reports unhealthy on /health but recovers by itself.
-        await asyncio.wait_for(self.client.health(), 30)
+        try:
+            await asyncio.wait_for(self.engine.health.remote(), 30)
+        except ray.exceptions.ActorDiedError:
+            # its placement group outlives it (remove_stage_groups): free it for the replacement
+            await asyncio.to_thread(remove_stage_groups, self.engine)
+            raise
 
     async def __del__(self) -> None:
         # Replica shutdown: stop the engine so its stage actors and placement group go too;
@@ -107,4 +112,5 @@ class EngineReplica:
             except Exception as e:  # noqa: BLE001 - killed below either way
                 log.warning("engine shutdown: %s", e)
             ray.kill(engine, no_restart=True)
+            await asyncio.to_thread(remove_stage_groups, engine)  # left by one that died
         await asyncio.to_thread(flush_tracing)

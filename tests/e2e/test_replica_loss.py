@@ -73,6 +73,14 @@ def engine_actors() -> dict:
     return serve.get_app_handle(APP).engine_actors.remote().result(timeout_s=30)
 
 
+def stage_groups() -> list[str]:
+    """Names of the engines' placement groups that hold resources (one per live engine)."""
+    import ray
+
+    return [pg["name"] for pg in ray.util.placement_group_table().values()
+            if pg["name"].startswith("specrelay-stages:") and pg["state"] != "REMOVED"]
+
+
 def test_losing_one_replica_ends_only_its_requests_and_serve_replaces_it(ray_cluster, tmp_path):
     import ray
 
@@ -95,19 +103,24 @@ def test_losing_one_replica_ends_only_its_requests_and_serve_replaces_it(ray_clu
         os.kill(pid, signal.SIGKILL)
         for s in streams:
             s.thread.join(300)
-        # Serve replaces the replica whose engine died: a new id, two engines again.
+        # Serve replaces the replica whose engine died: a new id, two engines again, and the
+        # dead engine's placement group is gone (Ray alone would keep it until the job ends).
         deadline = time.monotonic() + 180
         while True:
-            now = engine_actors()
-            if len(now) == 2 and victim not in now:
+            now, groups = engine_actors(), stage_groups()
+            if len(now) == 2 and victim not in now and len(groups) == 2:
                 break
-            assert time.monotonic() < deadline, now
+            assert time.monotonic() < deadline, (now, groups)
             time.sleep(1)
         # Prefix affinity re-learns: a prompt sent twice reaches the cache of its first replica.
         again = [httpx.post(f"{base}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": "again and again " * 8, "max_tokens": 8,
             "ignore_eos": True}) for _ in range(2)]
         watch.close()
+    deadline = time.monotonic() + 30  # the app stopped: nothing of its engines is left
+    while stage_groups():
+        assert time.monotonic() < deadline, stage_groups()
+        time.sleep(0.5)
 
     served_by = {s.attributes["request.id"]: s.attributes["serve.replica"]
                  for s in read_spans(glob.glob(str(tmp_path / "spans-*.jsonl")))
