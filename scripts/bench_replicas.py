@@ -96,6 +96,7 @@ def start_apps(config: str, replicas: int, overrides: dict[str, Any], cpus: int)
 
     if not ray.is_initialized():  # a test's cluster is reused (its CPUs are its own)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    wait_for_resources(config, overrides, 1 + replicas)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     for name, n in ((ONE, 1), (MANY, replicas)):
@@ -106,6 +107,28 @@ def start_apps(config: str, replicas: int, overrides: dict[str, Any], cpus: int)
     for name in (ONE, MANY):
         wait_healthy(f"{base}/{name}")
     return base
+
+
+def wait_for_resources(config: str, overrides: dict[str, Any], engines: int,
+                       timeout: float = 60.0) -> None:
+    """Wait until the cluster has the verifier placement groups of `engines` engines free; a
+    clear error otherwise, where serve.run would wait for them forever."""
+    import ray
+
+    from pipeline.config import load_config
+
+    cfg = load_config(config, overrides)
+    need: dict[str, float] = {}
+    for bundle in cfg.placement_spec.verifier_bundles(
+            cfg.tensor_parallel_size, cfg.device.startswith("cuda")) * engines:
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0.0) + amount
+    deadline = time.monotonic() + timeout
+    while any((free := ray.available_resources()).get(k, 0.0) < v for k, v in need.items()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{engines} engines need {need} for their verifier ranks; the "
+                               f"cluster has {free} free of {ray.cluster_resources()}")
+        time.sleep(0.5)
 
 
 def wait_healthy(url: str, timeout: float = 300.0) -> None:
@@ -375,8 +398,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
 
     own_ray = not ray.is_initialized()
-    base = start_apps(args.config, args.replicas, overrides, args.cpus or args.replicas + 2)
-    try:
+    try:  # a failed start stops Serve too: a later app on this Ray must not find it running
+        base = start_apps(args.config, args.replicas, overrides, args.cpus or args.replicas + 2)
         model = httpx.get(f"{base}/{ONE}/v1/models", timeout=30).json()["data"][0]["id"]
         warm = prompts_for(-1, 4 * args.replicas, args.prompt_len)
         for app, n in ((ONE, 1), (MANY, args.replicas)):  # first forwards on every replica

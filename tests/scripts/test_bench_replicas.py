@@ -39,3 +39,13 @@ def test_bench_replicas_runs_both_apps_and_checks_outputs(ray_cluster, capsys, t
     assert out.is_file()
     printed = capsys.readouterr().out
     assert "speedup 2 vs 1 replica" in printed and "ingress -> replica hop adds" in printed
+
+
+def test_bench_replicas_says_what_the_cluster_lacks_instead_of_waiting(ray_cluster, monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "bench_replicas", os.path.join(ROOT, "scripts", "bench_replicas.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_replicas", bench)
+    spec.loader.exec_module(bench)
+    with pytest.raises(RuntimeError, match=r"9 engines need \{'CPU': 9\.0\}"):
+        bench.wait_for_resources(os.path.join(ROOT, "configs", "tiny.yaml"), {}, 9, timeout=1)
