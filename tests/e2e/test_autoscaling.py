@@ -31,7 +31,8 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 
                "upscale_delay_s": 1, "downscale_delay_s": 3,
                "metrics_interval_s": 0.5, "look_back_period_s": 2}
 OVERRIDES = {"deployment": {"routing": "pow2", "autoscaling": AUTOSCALING},
-             "max_model_len": 512, "num_slots": 4}
+             "max_model_len": 1100, "num_slots": 4}
+LONG_TOKENS = 1000  # a long stream outlasts Serve's scale-down decision (400 did not, always)
 
 
 @dataclass
@@ -166,7 +167,7 @@ def test_a_load_ramp_scales_the_engine_deployment_1_2_1_with_no_failed_request(r
             load.clients = 0
             wait_until(lambda: load.inflight == 0, 60, "the short streams to end")
             wait_until(lambda: sum(running_requests()) == 0, 30, "idle engines")
-            load.max_tokens, load.clients = 400, 1
+            load.max_tokens, load.clients = LONG_TOKENS, 1
             wait_until(lambda: sum(running_requests()) == 1, 30, "the first long stream")
             load.clients = 2
             drained_busy: list[list[int]] = []
