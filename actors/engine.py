@@ -174,7 +174,8 @@ class Engine:
         self.core: EngineCore | None = None
         self.stages: RayStages | None = None
         self.restarts = 0
-        self.builds = 0  # names each build's placement group (stage_group_name)
+        self.builds = 0  # with the actor's id, names each build's placement group
+        self.actor_id = ""  # set by start(), in the actor
         self.past_stalls = 0  # stall detections of the cores replaced by rebuilds
         self.tracer: Any = None
         self._rebuilding: asyncio.Task | None = None
@@ -185,13 +186,14 @@ class Engine:
         setup_tracing("specrelay-engine", self.config.tracing)  # config, else OTEL_* environment
         self.tracer = get_tracer()
         self._loop = asyncio.get_running_loop()
+        self.actor_id = ray.get_runtime_context().get_actor_id()
         await self._build()
         tune_gc(self.config.gc_gen0_threshold)
         return await self.model_info()
 
     async def _build(self) -> None:
         self.builds += 1
-        group = stage_group_name(ray.get_runtime_context().get_actor_id(), self.builds)
+        group = stage_group_name(self.actor_id, self.builds)
         self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
         self.build_phase = ""
         self.stages = RayStages(self.actors)

@@ -94,7 +94,10 @@ def test_the_engine_actor_carries_the_stall_timings_into_its_rebuilt_core(monkey
         def kill(self):
             pass
 
-    async def fake_create(config, report=lambda _: None):
+    groups = []
+
+    async def fake_create(config, report=lambda _: None, group_name=""):
+        groups.append(group_name)
         return FakeActors()
 
     monkeypatch.setattr(engine_mod, "create_stage_actors", fake_create)
@@ -116,3 +119,6 @@ def test_the_engine_actor_carries_the_stall_timings_into_its_rebuilt_core(monkey
         return bound
 
     assert asyncio.run(scenario()) <= 10  # docs/reliability.md: 10 s at the default config
+    # each build's placement group has a name of its own (remove_stage_groups finds them all)
+    assert len(groups) == 2 and groups[0] != groups[1]
+    assert all(g.startswith("specrelay-stages:") for g in groups)
