@@ -71,9 +71,10 @@ class StageActors:
 async def create_stage_actors(config: EngineConfig,
                               report: Callable[[str], None] = lambda _: None,
                               group_name: str = "") -> StageActors:
-    """Start the draft, verifier ranks (one placement-group bundle each, the group named
-    `group_name`) and output actors, placed as `config.placement` says. `report` hears what it is waiting for (a placement group
-    or an actor waits until the cluster has the resources, e.g. until a lost node is back)."""
+    """Start the draft, verifier ranks (one bundle each of a placement group named `group_name`)
+    and output actors, placed as `config.placement` says. `report` hears what it is waiting for
+    (a placement group or an actor waits until the cluster has the resources, e.g. until a lost
+    node is back)."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -385,8 +386,13 @@ def stop_engine(handle: Any) -> None:
         remove_stage_groups(handle)
 
 
+def stage_group_prefix(engine_id: str) -> str:
+    """The name of every stage placement group of the Engine actor `engine_id`, but its build."""
+    return f"specrelay-stages:{engine_id}:"
+
+
 def stage_group_name(engine_id: str, build: int) -> str:
-    return f"specrelay-stages:{engine_id}:{build}"
+    return f"{stage_group_prefix(engine_id)}{build}"
 
 
 def remove_stage_groups(engine: Any) -> int:
@@ -396,7 +402,7 @@ def remove_stage_groups(engine: Any) -> int:
     signal kept its verifier CPUs/GPUs reserved, and its replacement could wait for them."""
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    prefix = stage_group_name(engine._actor_id.hex(), 0)[:-1]  # every build's
+    prefix = stage_group_prefix(engine._actor_id.hex())
     groups = [pg_id for pg_id, row in ray.util.placement_group_table().items()
               if row["name"].startswith(prefix) and row["state"] != "REMOVED"]
     for pg_id in groups:

@@ -14,13 +14,18 @@ from support.paths import ROOT
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
-def test_bench_replicas_runs_both_apps_and_checks_outputs(ray_cluster, capsys, tmp_path,
-                                                          monkeypatch):
+def load_bench(monkeypatch):
     spec = importlib.util.spec_from_file_location(
         "bench_replicas", os.path.join(ROOT, "scripts", "bench_replicas.py"))
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_replicas", bench)  # its dataclasses look it up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_replicas_runs_both_apps_and_checks_outputs(ray_cluster, capsys, tmp_path,
+                                                          monkeypatch):
+    bench = load_bench(monkeypatch)
     out = tmp_path / "replicas.json"
     result = bench.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--reps", "2",
                          "--requests", "8", "--concurrency", "4", "--max-tokens", "8",
@@ -42,10 +47,6 @@ def test_bench_replicas_runs_both_apps_and_checks_outputs(ray_cluster, capsys, t
 
 
 def test_bench_replicas_says_what_the_cluster_lacks_instead_of_waiting(ray_cluster, monkeypatch):
-    spec = importlib.util.spec_from_file_location(
-        "bench_replicas", os.path.join(ROOT, "scripts", "bench_replicas.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_replicas", bench)
-    spec.loader.exec_module(bench)
+    bench = load_bench(monkeypatch)
     with pytest.raises(RuntimeError, match=r"9 engines need \{'CPU': 9\.0\}"):
         bench.wait_for_resources(os.path.join(ROOT, "configs", "tiny.yaml"), {}, 9, timeout=1)
