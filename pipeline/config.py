@@ -21,6 +21,8 @@ from pipeline.spec_settings import validate as validate_spec
 DRAFT_KINDS = ("ngram", "suffix", "model", "none")
 BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
+WEIGHTS = ("quantized", "float")
+QUANTIZATIONS = ("int4",)
 
 
 @dataclass
@@ -78,6 +80,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
+    # GGUF sources on the CPU: "quantized" keeps Q4_0/Q4_1/Q4_K projections 4-bit (torch's int4
+    # kernel, bfloat16 inside it; the token table int8 + bfloat16), "float" dequantizes every
+    # tensor to `dtype`. Ignored elsewhere (HF folders, tiny models, CUDA: float).
+    weights: str = "quantized"
+    # Float sources (HF folders, tiny) on the CPU: "int4" quantizes the projections at load
+    # (groups of 32, Q4_1's scheme); None keeps them in `dtype`.
+    quantization: str | None = None
     max_waiting: int = 256  # queued choices (engine requests), over all client requests
     # Slots only a client request holding none may take, so a fan-out (n, prompt lists) cannot
     # make a newcomer wait for a whole generation; at most num_slots - 1 take effect.
@@ -170,6 +179,12 @@ class EngineConfig:
         check.choice("draft", self.draft, DRAFT_KINDS)
         check.choice("attention_backend", self.attention_backend, BACKENDS)
         check.choice("dtype", self.dtype, DTYPES)
+        check.choice("weights", self.weights, WEIGHTS)
+        if self.quantization is not None:
+            check.choice("quantization", self.quantization, QUANTIZATIONS)
+            if self.device != "cpu":
+                raise ValueError(f"quantization: int4 runs on the CPU only, device is "
+                                 f"{self.device!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model: must be a non-empty model source")
         if self.draft == "model" and not self.draft_model:

@@ -153,7 +153,7 @@ class LlamaModel(nn.Module):
                 attn_metadata: AttnMetadata, logits_idx: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """input_ids, positions [N] -> logits [N, vocab] (or [len(logits_idx), vocab])."""
-        x = self.embed(input_ids)
+        x = self.embed(input_ids).to(self.norm.weight.dtype)  # an Int8Table gives bfloat16
         cos, sin = self.rotary.lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], attn_metadata)

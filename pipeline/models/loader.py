@@ -3,10 +3,11 @@
 Both paths first produce Hugging Face tensor names (`model.layers.0.self_attn.q_proj.weight`
 ...), then `hf_to_internal` fuses q/k/v and gate/up into this package's layout.
 
-GGUF notes: tensors are dequantized to float32 with `gguf.quants.dequantize`. llama.cpp's
-converter permutes the q/k projection rows of `llama` models (interleaved RoPE pairs); we
-undo that so the rotate-half RoPE of HF and of `llama.py` applies. Qwen2 files are not
-permuted.
+GGUF notes: with `weights="quantized"` the 4-bit tensors (Q4_0, Q4_1, Q4_K) stay 4-bit
+(`pipeline.models.quant`, torch's CPU int4 kernel); every other tensor, and every tensor with
+`weights="float"`, is dequantized with `gguf.quants.dequantize`. llama.cpp's converter
+permutes the q/k projection rows of `llama` models (interleaved RoPE pairs); we undo that so
+the rotate-half RoPE of HF and of `llama.py` applies. Qwen2 files are not permuted.
 """
 
 from __future__ import annotations
@@ -23,8 +24,17 @@ import torch
 
 import pipeline.tokenizer
 from pipeline import file_cache
+from pipeline.config import QUANTIZATIONS, WEIGHTS
 from pipeline.models.config import ModelConfig
 from pipeline.models.llama import LlamaModel
+from pipeline.models.quant import (
+    GroupQuant,
+    Int4Linear,
+    Int8Table,
+    TiedHead,
+    gguf_group_quant,
+    quantize_linears,
+)
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,30 +57,51 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(path: str, dtype: str | torch.dtype = torch.float32,
-               load_tokenizer: bool = True) -> LoadedModel:
-    """Load from a `.gguf` file or a Hugging Face folder (config.json + *.safetensors)."""
+               load_tokenizer: bool = True, weights: str = "quantized",
+               quantization: str | None = None) -> LoadedModel:
+    """Load from a `.gguf` file or a Hugging Face folder (config.json + *.safetensors).
+
+    `weights` (GGUF): "quantized" keeps 4-bit tensors 4-bit, "float" dequantizes to `dtype`.
+    `quantization` (HF folders): "int4" quantizes the projections at load (Q4_1's scheme)."""
     dtype = resolve_dtype(dtype)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path does not exist: {path}")
     if os.path.isdir(path):
         config, tensors = read_hf_folder(path)
         tokenizer = _tokenizer(path) if load_tokenizer else None
     elif path.endswith(".gguf"):
-        config, tensors = read_gguf(path)
+        config, tensors = read_gguf(path, quantized=weights == "quantized")
         tokenizer = _tokenizer(path) if load_tokenizer else None
     else:
         raise ValueError(f"not a model: {path} (expected a .gguf file or a Hugging Face folder)")
     model = build_model(config, tensors, dtype)
+    if quantization == "int4" and os.path.isdir(path):
+        quantize_linears(model)
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     return LoadedModel(model, config, tokenizer, template)
 
 
-def build_model(config: ModelConfig, hf_tensors: dict[str, torch.Tensor],
+def build_model(config: ModelConfig, hf_tensors: dict[str, torch.Tensor | GroupQuant | Int8Table],
                 dtype: torch.dtype) -> LlamaModel:
-    """A LlamaModel holding `hf_tensors` (HF names), without a throwaway random init."""
+    """A LlamaModel holding `hf_tensors` (HF names), without a throwaway random init.
+    GroupQuant projections become Int4Linear; an Int8Table embedding stays one (and is the
+    LM head too when the embeddings are tied)."""
     state = hf_to_internal(hf_tensors, config)
     with torch.device("meta"):
         model = LlamaModel(config)
+    if isinstance(state["embed.weight"], Int8Table):
+        model.embed = state.pop("embed.weight")
+        if config.tie_word_embeddings:
+            model.lm_head = TiedHead(model.embed)
+    for key in [k for k, v in state.items() if isinstance(v, GroupQuant)]:
+        path = key.removesuffix(".weight")
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name,
+                Int4Linear(state.pop(key), state.get(path + ".bias")))
     state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
@@ -87,13 +118,13 @@ def hf_to_internal(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str,
     for i in range(config.num_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         a = p + "self_attn."
-        out[o + "attn.wqkv.weight"] = torch.cat(
+        out[o + "attn.wqkv.weight"] = _cat_rows(
             [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
         if config.attention_bias:
             out[o + "attn.wqkv.bias"] = torch.cat(
                 [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
         out[o + "attn.wo.weight"] = get(a + "o_proj.weight")
-        out[o + "mlp.w_gate_up.weight"] = torch.cat(
+        out[o + "mlp.w_gate_up.weight"] = _cat_rows(
             [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         out[o + "mlp.w_down.weight"] = get(p + "mlp.down_proj.weight")
         out[o + "attn_norm.weight"] = get(p + "input_layernorm.weight")
@@ -101,6 +132,13 @@ def hf_to_internal(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str,
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = get("lm_head.weight")
     return out
+
+
+def _cat_rows(parts: list[torch.Tensor | GroupQuant]) -> torch.Tensor | GroupQuant:
+    """Fuse projections: 4-bit when every part is (a Q6_K v beside Q4_K q/k: float)."""
+    if all(isinstance(p, GroupQuant) for p in parts):
+        return GroupQuant.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, GroupQuant) else p for p in parts])
 
 
 # --- Hugging Face folder ---------------------------------------------------------------
@@ -212,7 +250,9 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf(path: str, quantized: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuant]]:
+    """Config and HF-named tensors; with `quantized`, 4-bit projections as GroupQuant."""
     import gguf
 
     if not os.path.isfile(path):
@@ -226,16 +266,39 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             file_cache.publish(cached, lambda folder: _write_table(folder, table))
     config = ModelConfig(**table["config"])
     data = np.memmap(path, mode="r")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | GroupQuant] = {}
     for t in table["tensors"]:
         raw = data[t["offset"]:t["offset"] + t["bytes"]].view(np.dtype(t["dtype"]))
+        embedding = t["hf"] == "model.embed_tokens.weight"
+        if quantized and t["type"] in _GROUP_QUANT_TYPES and not embedding:
+            gq = gguf_group_quant(raw.reshape(t["shape"]), t["type"], _logical_shape(t))
+            if t["unpermute_heads"]:
+                gq = gq.rows(torch.from_numpy(
+                    unpermute_rope_rows(np.arange(gq.shape[0]), t["unpermute_heads"])))
+            tensors[t["hf"]] = gq
+            continue
         w = np.asarray(gguf.quants.dequantize(raw.reshape(t["shape"]),
                                               gguf.GGMLQuantizationType(t["type"])),
                        dtype=np.float32)
         if t["unpermute_heads"]:
             w = unpermute_rope_rows(w, t["unpermute_heads"])
-        tensors[t["hf"]] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
+        w = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
+        quantized_table = embedding and quantized and t["type"] not in _FLOAT_TYPES
+        tensors[t["hf"]] = Int8Table(w) if quantized_table else w
     return config, tensors
+
+
+_GROUP_QUANT_TYPES = (2, 3, 12)  # GGMLQuantizationType Q4_0, Q4_1, Q4_K
+_FLOAT_TYPES = (0, 1, 30)         # F32, F16, BF16
+
+
+def _logical_shape(t: dict[str, Any]) -> tuple[int, int]:
+    """[rows, weights per row] of a quantized tensor from its byte shape in the table."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t["type"])]
+    rows, nbytes = t["shape"]
+    return rows, nbytes // size * block
 
 
 _TABLE_FORMAT = 1  # bump when the table's fields change: older entries then miss

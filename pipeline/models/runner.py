@@ -21,6 +21,7 @@ from pipeline.models.attention import FLASH_PAGE_MULTIPLE, build_metadata, resol
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import DEFAULT_BLOCK_SIZE, CacheFullError, KVCache
 from pipeline.models.llama import use_column_major_weights
+from pipeline.models.quant import pack_quantized
 
 __all__ = ["CacheFullError", "ModelRunner"]
 
@@ -42,6 +43,7 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=dtype).eval()
         if self.device.type == "cpu" and dtype == torch.float32:
             use_column_major_weights(self.model)
+        pack_quantized(self.model)
         self.tokenizer = None  # set by load_runner when the source has one
         self.chat_template: str | None = None
         if self.backend == "flash" and block_size % FLASH_PAGE_MULTIPLE:

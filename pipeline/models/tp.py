@@ -22,6 +22,7 @@ from torch import nn
 from pipeline.errors import KVDivergenceError
 from pipeline.models.config import ModelConfig
 from pipeline.models.llama import LlamaModel
+from pipeline.models.quant import GroupQuant, Int4Linear
 
 
 def init_distributed(rank: int, world_size: int, init_method: str,
@@ -64,6 +65,26 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return lin
 
 
+def _column_parallel(linear: nn.Module, sizes: list[int], rank: int, world: int) -> nn.Module:
+    """This rank's rows of each fused part (and of the bias)."""
+    bias = linear.bias
+    bias = None if bias is None else _rows(bias, sizes, rank, world)
+    if isinstance(linear, Int4Linear):
+        starts = [sum(sizes[:i]) + rank * (size // world) for i, size in enumerate(sizes)]
+        parts = [linear.weight.rows(slice(start, start + size // world))
+                 for start, size in zip(starts, sizes)]
+        return Int4Linear(GroupQuant.cat(parts), bias)
+    return _linear(_rows(linear.weight, sizes, rank, world), bias)
+
+
+def _row_parallel(linear: nn.Module, rank: int, world: int) -> nn.Module:
+    """This rank's input columns (a 4-bit weight splits only at whole groups)."""
+    if isinstance(linear, Int4Linear):
+        width = linear.in_features // world
+        return Int4Linear(linear.weight.columns(rank * width, (rank + 1) * width), None)
+    return _linear(linear.weight.chunk(world, dim=1)[rank], None)
+
+
 def _all_reduce_hook(group: dist.ProcessGroup | None):
     def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group)
@@ -85,17 +106,13 @@ def apply_tp(model: LlamaModel, rank: int, world_size: int,
     with torch.no_grad():
         for layer in model.layers:
             attn, mlp = layer.attn, layer.mlp
-            bias = attn.wqkv.bias
-            attn.wqkv = _linear(_rows(attn.wqkv.weight, qkv_sizes, rank, world_size),
-                                None if bias is None else
-                                _rows(bias, qkv_sizes, rank, world_size))
-            attn.wo = _linear(attn.wo.weight.chunk(world_size, dim=1)[rank], None)
+            attn.wqkv = _column_parallel(attn.wqkv, qkv_sizes, rank, world_size)
+            attn.wo = _row_parallel(attn.wo, rank, world_size)
             attn.n_heads = cfg.num_heads // world_size
             attn.n_kv_heads = cfg.num_kv_heads // world_size
             inter = cfg.intermediate_size
-            mlp.w_gate_up = _linear(_rows(mlp.w_gate_up.weight, [inter, inter], rank,
-                                          world_size), None)
-            mlp.w_down = _linear(mlp.w_down.weight.chunk(world_size, dim=1)[rank], None)
+            mlp.w_gate_up = _column_parallel(mlp.w_gate_up, [inter, inter], rank, world_size)
+            mlp.w_down = _row_parallel(mlp.w_down, rank, world_size)
             mlp.intermediate = inter // world_size
             attn.register_forward_hook(_all_reduce_hook(group))
             mlp.register_forward_hook(_all_reduce_hook(group))

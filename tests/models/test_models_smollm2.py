@@ -17,7 +17,7 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    return load_model(smollm2_path, torch.float32, load_tokenizer=False)
+    return load_model(smollm2_path, torch.float32, load_tokenizer=False, weights="float")
 
 
 @pytest.fixture(scope="module")

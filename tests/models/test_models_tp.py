@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from pipeline.models.quant import quantize_linears
 from pipeline.models.runner import ModelRunner
 from pipeline.models.tiny import tiny_config, tiny_model
 from pipeline.models.tp import apply_tp, check_tp, init_distributed
@@ -27,26 +28,49 @@ def _script(runner: ModelRunner) -> list[torch.Tensor]:
     return [o.clone() for o in outs]
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _model(config, quantized: bool) -> torch.nn.Module:
+    model = tiny_model(config, seed=3)
+    if quantized:
+        quantize_linears(model)
+    return model
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, quantized: bool) -> None:
     torch.set_num_threads(1)
     init_distributed(rank, world, f"file://{init_file}", backend="gloo")
-    config = tiny_config(**CONFIG)
-    model = apply_tp(tiny_model(config, seed=3), rank, world)
+    config = tiny_config(**_config(quantized))
+    model = apply_tp(_model(config, quantized), rank, world)
     runner = ModelRunner(model, config, num_slots=4, max_len=64, backend="sdpa")
     assert runner.cache.k[0].shape[2] == config.num_kv_heads // world
     torch.save(_script(runner), os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
-def test_tp2_logits_equal_tp1(tmp_path):
-    config = tiny_config(**CONFIG)
-    ref = _script(ModelRunner(tiny_model(config, seed=3), config, 4, 64, backend="sdpa"))
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+def _config(quantized: bool) -> dict:
+    # 4-bit weights split along K at whole groups of 32: the MLP's 96 would give 48 a rank
+    return {**CONFIG, "intermediate_size": 128} if quantized else CONFIG
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int4"])
+def test_tp2_logits_equal_tp1(tmp_path, quantized):
+    config = tiny_config(**_config(quantized))
+    ref = _script(ModelRunner(_model(config, quantized), config, 4, 64, backend="sdpa"))
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), quantized), nprocs=2,
+             join=True)
+    # int4: each rank's kernel rounds its partial sums to bfloat16 before the all-reduce
+    tolerance = 0.02 * max(r.abs().max() for r in ref) if quantized else 1e-4
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert [g.shape for g in got] == [r.shape for r in ref]
         for g, r in zip(got, ref):
-            assert (g - r).abs().max() < 1e-4
+            assert (g - r).abs().max() < tolerance
+
+
+def test_int4_tp_needs_whole_groups_per_rank():
+    config = tiny_config(**CONFIG)  # intermediate 96: 48 columns of w_down a rank
+    model = _model(config, quantized=True)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        apply_tp(model, rank=0, world_size=2)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,0 +1,214 @@
+"""4-bit weights that stay 4-bit: GGUF Q4_0 / Q4_1 / Q4_K blocks (or float weights quantized at
+load) run on torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bfloat16 activations).
+
+Each of those formats is, per group of 32 weights along a row, `w = d * q + m` with a 4-bit
+code q, so one layout holds all three exactly: `GroupQuant` (codes, scale d, offset m). Torch's
+kernel reads `w = (q - 8) * scale + zero`, hence `zero = m + 8 * d`. Codes stay unpacked
+until the first forward (or `pack_quantized`), so fusing q/k/v and tensor-parallel sharding
+slice them like float rows and columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP = 32  # weights per scale: the block of Q4_0/Q4_1 and the sub-block of Q4_K
+COMPUTE_DTYPE = torch.bfloat16  # the kernel's fast input dtype on CPU (float32: ~25x slower)
+
+
+@dataclass
+class GroupQuant:
+    """A weight [N, K] as `codes * scale + offset`, one scale and offset per GROUP columns."""
+
+    codes: torch.Tensor   # uint8 [N, K], 0..15
+    scale: torch.Tensor   # float32 [N, K // GROUP]
+    offset: torch.Tensor  # float32 [N, K // GROUP]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scale.repeat_interleave(GROUP, 1) + \
+            self.offset.repeat_interleave(GROUP, 1)
+
+    def rows(self, index: slice | torch.Tensor) -> GroupQuant:
+        return GroupQuant(self.codes[index], self.scale[index], self.offset[index])
+
+    def columns(self, start: int, end: int) -> GroupQuant:
+        if start % GROUP or end % GROUP:
+            raise ValueError(f"4-bit weights split along K only at multiples of {GROUP}, "
+                             f"got columns {start}:{end}")
+        g = slice(start // GROUP, end // GROUP)
+        return GroupQuant(self.codes[:, start:end], self.scale[:, g], self.offset[:, g])
+
+    @staticmethod
+    def cat(parts: list[GroupQuant]) -> GroupQuant:
+        return GroupQuant(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.offset for p in parts]))
+
+
+def quantize_float(w: torch.Tensor) -> GroupQuant:
+    """Round-to-nearest min/max quantization of a float [N, K] (Q4_1's scheme)."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"4-bit quantization needs in_features divisible by {GROUP}, got {k}")
+    g = w.detach().float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return GroupQuant(codes.reshape(n, k), scale, lo)
+
+
+# --- GGUF blocks -----------------------------------------------------------------------------
+
+def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
+    """[..., group/2] bytes -> [..., group] codes: low nibbles first, then high (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def gguf_group_quant(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> GroupQuant:
+    """Q4_0 / Q4_1 / Q4_K bytes ([N, bytes per row] as gguf lays them out) -> GroupQuant [N, K]."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import Q4_K
+
+    n, k = shape
+    blocks = np.ascontiguousarray(raw).reshape(n, -1).view(np.uint8)
+    if qtype in (Q.Q4_0, Q.Q4_1):
+        blocks = blocks.reshape(n, k // GROUP, -1)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if qtype == Q.Q4_0:  # w = d * (q - 8)
+            m, qs = -8 * d, blocks[..., 2:]
+        else:                # w = d * q + m
+            m, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), \
+                blocks[..., 4:]
+        codes = _nibbles(qs, GROUP)
+    elif qtype == Q.Q4_K:    # 256-weight super-blocks of 8 sub-blocks: w = d*sc*q - dmin*mn
+        blocks = blocks.reshape(n * (k // 256), -1)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        d, m = d * sc.astype(np.float32), -dmin * mn.astype(np.float32)  # [blocks, 8]
+        qs = blocks[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 weights: low, then high nibbles
+        codes = _nibbles(qs, 64).reshape(-1, 8, GROUP)
+    else:
+        raise ValueError(f"not a 4-bit group format: {Q(qtype).name}")
+    return GroupQuant(torch.from_numpy(np.ascontiguousarray(codes).reshape(n, k)),
+                      torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // GROUP)),
+                      torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // GROUP)))
+
+
+# --- the layer -------------------------------------------------------------------------------
+
+class Int4Linear(nn.Module):
+    """`nn.Linear` over a GroupQuant weight; bfloat16 in and out (the CPU int4 kernel)."""
+
+    def __init__(self, weight: GroupQuant, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight: GroupQuant | None = weight
+        self.bias = None if bias is None else \
+            nn.Parameter(bias.detach().to(COMPUTE_DTYPE), requires_grad=False)
+        # Plain attributes, not buffers: `Module.to(dtype)` of a model built around an already
+        # packed layer must not widen the kernel's bfloat16 scales (CPU only, never moved).
+        self.packed: torch.Tensor | None = None
+        self.scales_zeros: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Codes -> the kernel's packed layout (idempotent); the unpacked copy is dropped."""
+        w = self.weight
+        if w is None:
+            return
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 1)
+        zero = w.offset + 8 * w.scale
+        self.scales_zeros = torch.stack([w.scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE) \
+            .contiguous()
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            self.pack()
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).to(COMPUTE_DTYPE), self.packed, GROUP,
+            self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4/{GROUP}"
+
+
+class Int8Table(nn.Module):
+    """A token table [vocab, hidden] kept small: a bfloat16 copy for embedding lookups and LM
+    heads of several rows, int8 rows (one scale each) for a one-row LM head, where torch's
+    int8 GEMV beats the bfloat16 GEMM (SmolLM2's head, one thread: ~3.7 vs ~6.3 ms) and loses
+    at more rows (5 rows: ~9.5 vs ~7.5 ms). Plain attributes, not buffers: `Module.to(dtype)`
+    must not widen them (quantized models run on the CPU only)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        w = w.detach().float()
+        self.num_embeddings, self.embedding_dim = w.shape
+        scale = w.abs().amax(1).clamp_min(1e-12) / 127
+        self.codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.scale = scale.to(COMPUTE_DTYPE)
+        self.rows = w.to(COMPUTE_DTYPE)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows[ids]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(COMPUTE_DTYPE)
+        if x.shape[0] == 1:
+            return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        return F.linear(x, self.rows)
+
+
+class TiedHead(nn.Module):
+    """The LM head of a model whose head is its (Int8Table) embedding."""
+
+    def __init__(self, table: Int8Table) -> None:
+        super().__init__()
+        self.table = [table]  # a list: the table stays registered once, under `embed`
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table[0].logits(x)
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """The float weight of an nn.Linear or an unpacked Int4Linear (for tests and TP checks)."""
+    if isinstance(linear, Int4Linear):
+        if linear.weight is None:
+            raise ValueError("Int4Linear is packed: its float weight is no longer held")
+        return linear.weight.dequantize()
+    return linear.weight
+
+
+def pack_quantized(model: nn.Module) -> None:
+    """Pack every Int4Linear (after TP sharding, before serving: keeps the first step fast)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.pack()
+
+
+def quantize_linears(model: nn.Module) -> None:
+    """Replace each decoder projection (an nn.Linear inside `model.layers`; the embedding and
+    LM head keep their precision, as llama.cpp's Q4_K_M keeps its output tensor at 6 bits)
+    with an Int4Linear of its weight: `quantization: int4` for float sources."""
+    found = [(parent, name, child) for parent in model.layers.modules()
+             for name, child in parent.named_children() if type(child) is nn.Linear]
+    for parent, name, linear in found:
+        setattr(parent, name, Int4Linear(quantize_float(linear.weight), linear.bias))
+
+
+__all__ = ["COMPUTE_DTYPE", "GROUP", "GroupQuant", "Int4Linear", "Int8Table", "TiedHead",
+           "dense_weight",
+           "gguf_group_quant", "pack_quantized", "quantize_float", "quantize_linears"]

@@ -1,0 +1,183 @@
+"""4-bit weights (pipeline.models.quant): GGUF blocks decode to exactly what gguf's own
+dequantizer gives, the int4 kernel computes the dequantized matmul, a quantized GGUF load runs
+the same model as the float load, and the quantized path shards under tensor parallelism."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from support.gguf_models import hf_model, write_gguf
+
+from pipeline.config import load_config
+from pipeline.models import load_runner
+from pipeline.models.loader import load_model
+from pipeline.models.quant import (
+    GROUP,
+    GroupQuant,
+    Int4Linear,
+    Int8Table,
+    TiedHead,
+    gguf_group_quant,
+    quantize_float,
+    quantize_linears,
+)
+from pipeline.models.runner import ModelRunner
+from pipeline.models.tiny import tiny_config, tiny_model
+
+IDS = [int(i) for i in np.random.default_rng(4).integers(0, 320, 41)]
+
+
+def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    return runner.forward([runner.allocate()], [ids])[0]
+
+
+def _random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random bytes in `qtype`'s layout, with finite float16 scales (any bits are valid codes)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    halves = 2 if qtype in (Q.Q4_1, Q.Q4_K) else 1  # d (and m / dmin) lead each block
+    scales = rng.uniform(-0.05, 0.05, (rows, cols // block, halves)).astype(np.float16)
+    raw[..., :2 * halves] = scales.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_gguf_blocks_decode_exactly(qtype):
+    rows, cols = 6, 512
+    raw = _random_blocks(qtype, rows, cols, seed=int(qtype))
+    want = gguf.quants.dequantize(raw, qtype)
+    got = gguf_group_quant(raw, int(qtype), (rows, cols))
+    assert got.shape == (rows, cols) and got.codes.max() <= 15
+    np.testing.assert_array_equal(got.dequantize().numpy(), want)
+
+
+def test_a_float_type_is_not_a_group_format():
+    with pytest.raises(ValueError, match="not a 4-bit group format: Q8_0"):
+        gguf_group_quant(np.zeros((1, 34), np.uint8), int(Q.Q8_0), (1, 32))
+
+
+@pytest.mark.parametrize("rows, cols, batch", [(64, 96, 1), (128, 64, 5), (320, 256, 17)])
+def test_int4_linear_computes_the_dequantized_matmul(rows, cols, batch):
+    gen = torch.Generator().manual_seed(rows)
+    w = quantize_float(torch.randn(rows, cols, generator=gen))
+    bias = torch.randn(rows, generator=gen)
+    x = torch.randn(batch, cols, generator=gen)
+    dense = w.dequantize()
+    layer = Int4Linear(w, bias)
+    y = layer(x)
+    assert layer.weight is None and layer.packed is not None  # packed on first use
+    assert y.dtype == torch.float32 and y.shape == (batch, rows)
+    # the kernel's inputs are bfloat16: compare with the same rounding done in float32
+    want = x.bfloat16().float() @ dense.bfloat16().float().t() + bias.bfloat16().float()
+    assert (y - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_quantize_float_is_round_to_nearest_within_half_a_step():
+    w = torch.randn(8, 64) * 3
+    q = quantize_float(w)
+    step = q.scale.repeat_interleave(GROUP, 1)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_float(torch.randn(4, 40))
+
+
+def test_group_quant_slices_like_the_float_weight():
+    w = quantize_float(torch.randn(12, 128))
+    dense = w.dequantize()
+    assert torch.equal(w.rows(slice(2, 5)).dequantize(), dense[2:5])
+    assert torch.equal(w.columns(32, 96).dequantize(), dense[:, 32:96])
+    assert torch.equal(GroupQuant.cat([w.rows(slice(0, 3)), w.rows(slice(9, 12))]).dequantize(),
+                       torch.cat([dense[:3], dense[9:]]))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        w.columns(16, 48)
+
+
+def test_int8_table_looks_up_rows_and_is_the_tied_head():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 64, generator=gen)
+    table = Int8Table(w)
+    ids = torch.tensor([0, 7, 299])
+    assert torch.equal(table(ids), w[ids].bfloat16())
+    head = TiedHead(table)
+    assert [name for name, _ in head.named_modules()] == [""]  # the table is not registered twice
+    for rows in (1, 4):  # the int8 GEMV path and the bfloat16 GEMM path
+        x = torch.randn(rows, 64, generator=gen)
+        want = x @ w.t()
+        assert (head(x).float() - want).abs().max() <= 0.03 * want.abs().max()
+
+
+@pytest.mark.parametrize("arch, qtype", [("llama", Q.Q4_1), ("llama", Q.Q4_0), ("qwen2", Q.Q4_1)])
+def test_quantized_gguf_runs_the_float_model(tmp_path, arch, qtype):
+    """The file's 4-bit tensors (the q/k permutation undone on codes and scales) on the int4
+    kernel: the float load of the same file is the reference."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_model(arch), arch, qtype)
+    quant = load_model(str(path), load_tokenizer=False)
+    float_ = load_model(str(path), load_tokenizer=False, weights="float")
+    assert isinstance(quant.model.layers[0].attn.wqkv, Int4Linear)
+    assert isinstance(quant.model.embed, Int8Table)  # the table was quantized in the file
+    assert type(float_.model.layers[0].attn.wqkv) is torch.nn.Linear
+    got = _logits(ModelRunner(quant.model, quant.config, 1, 64), IDS)
+    want = _logits(ModelRunner(float_.model, float_.config, 1, 64), IDS)
+    assert want.abs().max() > 1.0
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_float_gguf_stays_float_when_quantized_is_asked(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_model("llama"), "llama", Q.F32)
+    loaded = load_model(str(path), load_tokenizer=False)
+    assert type(loaded.model.embed) is torch.nn.Embedding
+    assert not any(isinstance(m, Int4Linear) for m in loaded.model.modules())
+
+
+def test_hf_folder_int4_at_load(tmp_path):
+    hf = hf_model("llama", seed=5)
+    hf.save_pretrained(tmp_path)
+    quant = load_runner(str(tmp_path), num_slots=1, max_len=64, quantization="int4")
+    assert isinstance(quant.model.layers[1].mlp.w_down, Int4Linear)
+    with torch.no_grad():  # the reference: HF holding the quantized projections in float32
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and "layers" in name:
+                p.copy_(quantize_float(p).dequantize())
+        ref = hf(torch.tensor([IDS])).logits[0]
+    got = _logits(quant, IDS)
+    assert (got - ref).abs().max() < 0.03 * ref.abs().max()
+
+
+def test_weights_and_quantization_are_validated():
+    with pytest.raises(ValueError, match="weights: must be one of quantized, float"):
+        load_config(None, {"weights": "int4"})
+    with pytest.raises(ValueError, match="quantization: must be one of int4"):
+        load_config(None, {"quantization": "int8"})
+    with pytest.raises(ValueError, match="quantization: int4 runs on the CPU only"):
+        load_config(None, {"quantization": "int4", "device": "cuda"})
+    with pytest.raises(ValueError, match="weights must be one of"):
+        load_model("/nonexistent.gguf", weights="int4")
+
+
+def test_a_packed_model_runs_again_in_a_second_runner():
+    """A second ModelRunner over the same model (its `.to(dtype)`) keeps the packed layers."""
+    model = tiny_model(tiny_config(), seed=2)
+    quantize_linears(model)
+    first = _logits(ModelRunner(model, model.config, 1, 64), [4, 8, 15])
+    again = _logits(ModelRunner(model, model.config, 1, 64), [4, 8, 15])
+    assert torch.equal(first, again)
+
+
+def test_tiny_int4_runner_is_the_quantized_float_model():
+    config = tiny_config()
+    runner = load_runner("tiny:3", num_slots=1, max_len=64, quantization="int4")
+    reference = tiny_model(config, seed=3)
+    with torch.no_grad():
+        for module in reference.layers.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight.copy_(quantize_float(module.weight).dequantize())
+    want = _logits(ModelRunner(reference, config, 1, 64), [5, 9, 17, 3, 44])
+    got = _logits(runner, [5, 9, 17, 3, 44])
+    assert (got - want).abs().max() < 0.03 * want.abs().max()
