@@ -4,6 +4,7 @@ target, one TP rank of it, or the draft: what the stages call), and the engine's
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -63,7 +64,17 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
                          dtype=torch_dtype, backend=backend, block_size=block_size,
                          kv_cache_tokens=kv_cache_tokens, prefix_caching=prefix_caching)
     runner.tokenizer, runner.chat_template = tokenizer, template
+    release_freed_heap()
     return runner
+
+
+def release_freed_heap() -> None:
+    """Hand the loader's freed scratch (float copies, unpacked 4-bit codes: ~100 MB for
+    SmolLM2) back to the OS; glibc keeps freed small-chunk memory in its heap otherwise."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def set_torch_threads(config: EngineConfig) -> None:

@@ -60,6 +60,23 @@ def test_speculative_greedy_equals_target_only(draft, batch, overlap, reference)
     assert core.scheduler.free_slots == core.scheduler.num_slots
 
 
+@pytest.mark.skipif(PLACEMENT["device"] != "cpu", reason="int4 weights run on the CPU only")
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_int4_speculative_greedy_equals_target_only(draft):
+    """The lossless contract on 4-bit projections (torch's int4 kernel, bfloat16 inside)."""
+    int4 = {**PLACEMENT, "quantization": "int4"}
+    reference = target_references(CONFIG, PROMPTS, 60, int4)
+    requests = mixed_requests(8)
+    spec, core = run({**int4, "draft": draft}, requests)
+    plain, _ = run({**int4, "draft": "none"}, requests)
+    for rid, prompt, params in requests:
+        want_ids, want_text = expected_cut(reference[PROMPTS.index(prompt)], params)
+        assert spec[rid].token_ids == plain[rid].token_ids == want_ids
+        assert spec[rid].text == plain[rid].text == want_text
+        assert spec[rid].finish_reason == plain[rid].finish_reason
+    assert core.stats.accepted_tokens > 0
+
+
 def test_draft_model_accepts_some_but_not_all_drafts():
     _, core = run({"draft": "model", "speculation": "fixed"}, mixed_requests(8))
     s = core.stats
