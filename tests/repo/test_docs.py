@@ -218,3 +218,26 @@ def test_config_reference_defaults_are_the_code_defaults():
 def test_the_config_reference_is_linked():
     assert "docs/config.md" in read("README.md")
     assert "config.md" in read("docs", "architecture.md")
+
+
+# --- docs/contracts.md ---------------------------------------------------------------------
+def test_every_cited_contract_section_exists():
+    """Code, tests and docs cite a section of the contract as docs/contracts.md, a comma and the
+    section's heading in asterisks: it must be a heading there (a citation may wrap lines)."""
+    headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", read("docs", "contracts.md"),
+                                                        re.MULTILINE)}
+    cited = {}
+    for pattern in ("README.md", "docs/*.md", "pipeline/**/*.py", "actors/**/*.py",
+                    "scripts/**/*.py", "tests/**/*.py"):
+        for path in glob.glob(os.path.join(ROOT, pattern), recursive=True):
+            with open(path) as f:
+                text = f.read()
+            for m in re.finditer(r"docs/contracts\.md, \*([^*]+)\*", text):
+                cited[" ".join(m.group(1).split())] = os.path.relpath(path, ROOT)
+    assert cited, "nothing cites docs/contracts.md by section"
+    assert {name: path for name, path in cited.items() if name not in headings} == {}
+
+
+def test_the_contracts_are_linked():
+    assert "docs/contracts.md" in read("README.md")
+    assert "docs/contracts.md" in read("docs", "architecture.md")
