@@ -2,7 +2,7 @@
 what each `ngram_min_n` would gain at batch 1 for given step costs. No model runs: with greedy
 decoding a draft is accepted exactly while it equals the recorded output.
 
-    .venv/bin/python scripts/replay_ngram.py [--results docs/bench/matrix-9044a25.json]
+    .venv/bin/python scripts/replay_ngram.py [--results docs/bench/matrix-2026-12-05.json]
         [--workloads copy chat] [--k 8] [--max-n 4] [--costs 2:1.71 3:1.66 5:1.82 9:2.03]
 
 The outputs are the batch-1 target-only run's of the results file (`bench_engine.py`); `--costs`
@@ -96,7 +96,8 @@ def oracle(pairs: list[tuple[list[int], list[int]]], k: int, max_n: int,
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--results", default=os.path.join(ROOT, "docs", "bench", "matrix-9044a25.json"))
+    p.add_argument("--results",
+                   default=os.path.join(ROOT, "docs", "bench", "matrix-2026-12-05.json"))
     p.add_argument("--workloads", nargs="+", default=["copy", "chat"])
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--max-n", type=int, default=4)

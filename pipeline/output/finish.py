@@ -1,4 +1,5 @@
-"""Finish rules (DESIGN.md, *Finish rules (normative)*) as one pure function over a whole window.
+"""Finish rules (docs/contracts.md, *Finish rules (normative)*) as one pure function over a whole
+window.
 
 A step appends the window `w = [t_1..t_n]` at output positions `start..start+n-1`. `find_finish`
 returns the earliest position `f` at which a condition holds, or None:

@@ -1,4 +1,4 @@
-"""The output path: verify steps in, per-request RequestOutput deltas out (DESIGN.md).
+"""The output path: verify steps in, per-request RequestOutput deltas out (docs/contracts.md).
 
 One step, in passes over the batch (nothing is per token in Python on the common path):
 
@@ -57,7 +57,7 @@ _STATUS = {
 
 
 class OutputProcessor:
-    """Turns verify steps into RequestOutput deltas; see DESIGN.md, *Contract: pipeline.output.processor*.
+    """Turns verify steps into RequestOutput deltas; see docs/contracts.md, *Output path*.
 
     `tokenizer=None` turns text off (deltas carry ids and logprobs only; stop strings are refused).
     """
@@ -289,7 +289,7 @@ class OutputProcessor:
                     tn = top_n[i]
                     t0 = top_offs[i]
                     out_top = [pairs[j : j + n_lp] for j in range(t0, t0 + keep * tn, tn)]
-            if verified:  # drafted or not (DESIGN.md, *Speculative statistics*)
+            if verified:  # drafted or not (docs/contracts.md, *Speculative statistics*)
                 st.stats.add(keep, drafted[i])
             text = ""
             if st.text is not None:

@@ -95,7 +95,8 @@ class Completion:
         return self.last.matched_stop if self.last is not None else None
 
     def spec_stats(self) -> dict[str, Any]:
-        """The HTTP `spec_stats` object (DESIGN.md: the four cumulative `spec_*` counts)."""
+        """The HTTP `spec_stats` object (docs/contracts.md, *HTTP surface*: the four cumulative
+        `spec_*` counts)."""
         last = self.last or RequestOutput(self.rid)
         return {"verify_ct": last.spec_verify_ct, "accepted_tokens": last.spec_accepted_tokens,
                 "acceptance_histogram": list(last.spec_acceptance_histogram),

@@ -40,7 +40,8 @@ def count_into(histogram: list[int], index: int) -> None:
 
 @dataclass(slots=True)
 class SpecStats:
-    """Speculative statistics over the retained output (DESIGN.md, *Speculative statistics*).
+    """Speculative statistics over the retained output (docs/contracts.md, *Speculative
+    statistics*).
 
     Every step after the prefill that retained tokens is a verify step, drafted or not. A step
     retaining `kept` tokens counts `kept - 1` accepted: the whole window less the target's token,

@@ -1,9 +1,10 @@
 """The spans the output stage makes (pipeline/tracing/ is the set-up, file and reader they go
 through): an OutputProcessor with traces, one `spec.request` span per request, one
 `spec.verify_step` span per step, and a `spec.finish` event on the step that finished each request
-(DESIGN.md, *Traces*).
+(docs/contracts.md, *Traces*).
 
-Span and attribute names are DESIGN's. Added here (documented for `specrelay trace` and dashboards):
+Span and attribute names are those of docs/contracts.md, *Traces*; these, in detail (for
+`specrelay trace` and dashboards):
 
 - On `spec.verify_step`, per-request arrays aligned with `spec.request.ids` (the step's request ids,
   in message order): `spec.request.drafted` (drafts proposed), `spec.request.accepted` (raw

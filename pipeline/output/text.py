@@ -13,7 +13,7 @@ completes, and what is held back. Every text rule of the output path lives here,
 and a stop string completes at the first position `p` whose `S(p)` contains it (`f` = the token
 holding the match's last character; `min_new_tokens` skips earlier completions, see
 `pipeline.output.finish`). At finish the text is settled: the decode of the retained ids, trailing
-U+FFFD and byte runs included (DESIGN.md, *Streaming*).
+U+FFFD and byte runs included (docs/contracts.md, *Streaming*).
 
 **Hold-back.** Of the committed text, a suffix that could still become the start of a stop string is
 held back (`TextState.pending`) until a later step resolves it: released, or dropped by a match.

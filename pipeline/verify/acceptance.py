@@ -30,8 +30,8 @@ have been applied to q the same way by the caller. Edge cases: ``q(x) = 0 < p(x)
 accepted with probability ``p_j(x_j)`` and the residual is ``p_j`` with ``x_j`` removed,
 renormalised -- still exact.
 
-**Seeded rows** (position-keyed, DESIGN "Seeds"): the target's sample at output position ``t``
-is ``s_t = sample_from_weights(p_t, u_t)``, ``u_t`` the request's position noise
+**Seeded rows** (position-keyed, docs/contracts.md, *Seeds*): the target's sample at output
+position ``t`` is ``s_t = sample_from_weights(p_t, u_t)``, ``u_t`` the request's position noise
 (`pipeline.sampling.position_uniforms`: a function of seed and position only). A draft is
 accepted while it equals ``s_t``; the step's last token is ``s_t`` at the first mismatch or
 after the last draft. So a seeded request outputs exactly ``s_1, s_2, ...`` -- what decoding

@@ -1,21 +1,21 @@
 """The Helm chart in helm/specrelay, rendered with the real helm binary.
 
 helm comes from .tools/helm (the Makefile runs scripts/install_helm.sh) or PATH; without it
-these tests fail rather than skip. The RayService is validated against the KubeRay CRD schema in
-../shared/k8s/kuberay-crds, core kinds with kubernetes-validate.
+these tests fail rather than skip. The RayService is validated against the KubeRay CRD schema
+vendored in tests/deploy/crds/kuberay/, core kinds with kubernetes-validate.
 """
 
 from __future__ import annotations
 
 import base64
 from functools import cache
-from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 from support.helm_chart import (
     CHART,
+    CRDS,
     RELEASE,
     crd_errors,
     env_of,
@@ -486,7 +486,7 @@ def test_termination_grace_and_prestop_follow_the_drain_grace_period(grace, shut
 
 # --- monitoring (prometheus-operator) ------------------------------------------------------------
 
-PROM_CRDS = Path(__file__).resolve().parent / "crds" / "prometheus-operator"
+PROM_CRDS = CRDS / "prometheus-operator"
 MONITORING = ("monitoring.enabled=true",)
 RAY_PORTS_METRICS = 8080  # values.yaml: ray.ports.metrics
 

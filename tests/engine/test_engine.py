@@ -282,8 +282,9 @@ def seeded_phases(draft: str, speculation: str) -> tuple[list[list[int]], int]:
 
 
 def test_seeded_request_reproduces_alone_after_and_during_traffic_whatever_the_drafts():
-    # DESIGN "Seeds": a position's randomness depends on (seed, position) only, so neither the
-    # drafter (its drafts depend on other traffic under suffix drafting) nor k changes a token
+    # docs/contracts.md, *Seeds*: a position's randomness depends on (seed, position) only, so
+    # neither the drafter (its drafts depend on other traffic under suffix drafting) nor k changes
+    # a token
     runs = {(draft, spec): seeded_phases(draft, spec)
             for draft in ("none", "ngram", "suffix", "model") for spec in ("fixed", "adaptive")
             if draft != "none" or spec == "fixed"}

@@ -57,7 +57,7 @@ def test_stop_string_mid_window_drops_everything_after_it():
     assert out.logprobs == [token_logprob(p, t) for p, t in enumerate(kept)]
     assert out.top_logprobs == [token_top(p, 5)[:2] for p in range(7)]
     assert (out.finish_reason, out.matched_stop, out.finished_len) == ("stop", "STOP", 7)
-    # statistics: one verify step retaining 7 tokens counts 6 accepted (kept - 1, DESIGN.md)
+    # statistics: one verify step retaining 7 tokens counts 6 accepted (kept - 1, docs/contracts.md)
     assert (out.spec_verify_ct, out.spec_accepted_tokens, out.spec_draft_tokens) == (1, 6, 15)
     assert out.spec_acceptance_histogram == [0] * 6 + [1]
 

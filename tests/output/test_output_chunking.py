@@ -1,6 +1,7 @@
-"""Chunking invariance and streaming (DESIGN.md): every cut of a token stream into verify steps gives
-the same final ids, text, logprobs, finish reason, matched stop and finished_len as one token per
-step and as the naive whole-stream reference; the text deltas always add up to the final text."""
+"""Chunking invariance and streaming (docs/contracts.md): every cut of a token stream into verify
+steps gives the same final ids, text, logprobs, finish reason, matched stop and finished_len as one
+token per step and as the naive whole-stream reference; the text deltas always add up to the final
+text."""
 
 from __future__ import annotations
 

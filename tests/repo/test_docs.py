@@ -49,19 +49,20 @@ def table_rows(text: str) -> list[list[str]]:
     return rows
 
 
-def newest_matrix() -> dict[str, Any]:
-    """The newest engine matrix committed in docs/bench (by the date the run recorded)."""
+def newest_matrix() -> tuple[str, dict[str, Any]]:
+    """The newest engine matrix committed in docs/bench (by the date the run recorded): its file
+    name and its report."""
     reports = []
     for path in glob.glob(os.path.join(BENCH_DIR, "matrix-*.json")):
         with open(path) as f:
-            reports.append(json.load(f))
+            reports.append((os.path.basename(path), json.load(f)))
     assert reports, "docs/bench holds no matrix-*.json"
-    return max(reports, key=lambda r: r["meta"]["date"])
+    return max(reports, key=lambda r: r[1]["meta"]["date"])
 
 
 @pytest.fixture(scope="module")
 def matrix() -> dict[str, Any]:
-    return newest_matrix()
+    return newest_matrix()[1]
 
 
 def rates(report: dict[str, Any]) -> dict[tuple[str, str, int], float]:
@@ -105,8 +106,9 @@ def test_every_docs_bench_file_named_anywhere_exists():
 
 def test_the_results_table_is_the_newest_matrix_as_printed(matrix):
     text = read("docs", "benchmarks.md")
-    heading = f"## Results: the engine matrix (commit {matrix['meta']['commit']})"
-    assert heading + "\n" in text, "the page's results are not the newest matrix's"
+    heading = "## Results: the engine matrix"
+    name = newest_matrix()[0]
+    assert f"docs/bench/{name}" in section(text, heading), "the results are not the newest matrix's"
     rows = [r for r in table_rows(section(text, heading)) if re.match(r"^\w+ b\d+$", r[0])]
     tok = rates(matrix)
     cells = {(r["workload"], r["batch"]) for r in matrix["runs"] if r["engine"] == "local"}
@@ -134,9 +136,8 @@ def test_the_results_table_is_the_newest_matrix_as_printed(matrix):
 def test_the_readme_table_is_the_newest_matrix_as_printed(matrix):
     text = read("README.md")
     tok = rates(matrix)
-    commit = matrix["meta"]["commit"]
     header = next(ln for ln in text.splitlines() if ln.startswith("| SmolLM2"))
-    assert f"commit {commit}" in header
+    assert f"docs/bench/{newest_matrix()[0]}" in header
     batches = [int(b[1:]) for b in re.findall(r"\| (b\d+)", header)]
     rows = [r for r in table_rows(section(text, "## Benchmarks"))
             if r[0].endswith("target only / adaptive / best fixed k")]
@@ -218,3 +219,26 @@ def test_config_reference_defaults_are_the_code_defaults():
 def test_the_config_reference_is_linked():
     assert "docs/config.md" in read("README.md")
     assert "config.md" in read("docs", "architecture.md")
+
+
+# --- docs/contracts.md ---------------------------------------------------------------------
+def test_every_cited_contract_section_exists():
+    """Code, tests and docs cite a section of the contract as docs/contracts.md, a comma and the
+    section's heading in asterisks: it must be a heading there (a citation may wrap lines)."""
+    headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", read("docs", "contracts.md"),
+                                                        re.MULTILINE)}
+    cited = {}
+    for pattern in ("README.md", "docs/*.md", "pipeline/**/*.py", "actors/**/*.py",
+                    "scripts/**/*.py", "tests/**/*.py"):
+        for path in glob.glob(os.path.join(ROOT, pattern), recursive=True):
+            with open(path) as f:
+                text = f.read()
+            for m in re.finditer(r"docs/contracts\.md, \*([^*]+)\*", text):
+                cited[" ".join(m.group(1).split())] = os.path.relpath(path, ROOT)
+    assert cited, "nothing cites docs/contracts.md by section"
+    assert {name: path for name, path in cited.items() if name not in headings} == {}
+
+
+def test_the_contracts_are_linked():
+    assert "docs/contracts.md" in read("README.md")
+    assert "docs/contracts.md" in read("docs", "architecture.md")

@@ -2,7 +2,8 @@
 checked against: what the chart tests (tests/deploy/) and the drain test share.
 
 helm comes from .tools/helm (the Makefile runs scripts/install_helm.sh) or PATH; without it the
-tests fail rather than skip. The KubeRay CRD is read from ../shared/k8s/kuberay-crds.
+tests fail rather than skip. The CRDs are vendored in tests/deploy/crds/ (KubeRay's in
+tests/deploy/crds/kuberay/, see its README).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import yaml
 from support.paths import REPO
 
 CHART = REPO / "helm" / "specrelay"
-CRD = REPO.parent / "shared" / "k8s" / "kuberay-crds" / "ray.io_rayservices.yaml"
+CRDS = REPO / "tests" / "deploy" / "crds"
+CRD = CRDS / "kuberay" / "ray.io_rayservices.yaml"
 RELEASE = "sr"
 
 
@@ -111,7 +113,7 @@ def strict_schema(schema: object) -> object:
 
 @cache
 def rayservice_validator() -> jsonschema.Draft7Validator:
-    assert CRD.is_file(), f"KubeRay CRD missing at {CRD} (see ../shared/k8s/README.md)"
+    assert CRD.is_file(), f"KubeRay CRD missing at {CRD} (see tests/deploy/crds/kuberay/README.md)"
     crd = yaml.safe_load(CRD.read_text())
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     schema = strict_schema(v1["schema"]["openAPIV3Schema"])

@@ -1,6 +1,6 @@
 """Helpers for the output-path tests: a tiny byte-level BPE tokenizer, a step feeder, and a naive
-reference of the finish rules (DESIGN.md, *Finish rules (normative)*) computed from whole-stream
-decodes, quadratic and obviously right."""
+reference of the finish rules (docs/contracts.md, *Finish rules (normative)*) computed from
+whole-stream decodes, quadratic and obviously right."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One HTTP request with a `traceparent` header: the front end, the engine and the output actor
 (three processes) all put their spans into that one trace, and the verify step that finished the
-request carries its `spec.finish` event (DESIGN.md, *Traces*)."""
+request carries its `spec.finish` event (docs/contracts.md, *Traces*)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_an_http_traceparent_joins_front_end_engine_and_output_actor_in_one_trac
     server = by_name["POST /v1/completions"]
     assert server.parent_span_id == "00f067aa0ba902b7"  # the client's span
     request = by_name["spec.request"]
-    assert request.parent_span_id == server.span_id  # DESIGN: parent is the HTTP server span
+    assert request.parent_span_id == server.span_id  # docs/contracts.md, *Traces*: the server span
     assert by_name["spec.engine.request"].parent_span_id == server.span_id
     assert request.attributes["finish.reason"] == "length"
     assert request.attributes["request.completion_tokens"] == 6

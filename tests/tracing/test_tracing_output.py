@@ -1,5 +1,5 @@
 """TracedOutputProcessor over the real OutputProcessor: spans, links and spec.finish events agree with
-the RequestOutputs (DESIGN.md, *Traces*)."""
+the RequestOutputs (docs/contracts.md, *Traces*)."""
 
 from __future__ import annotations
 
