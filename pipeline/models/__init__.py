@@ -1,4 +1,5 @@
-"""Model layer: Llama-family model, slot KV cache, attention backends, loaders, TP, runner."""
+"""Model layer: Llama-family model, paged KV cache, attention backends, loaders, 4-bit weights, TP,
+runner."""
 
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import CacheFullError, KVCache
