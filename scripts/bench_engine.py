@@ -53,6 +53,7 @@ if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` a
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+import yaml
 
 from pipeline.config import is_tiny, load_config, resolve_source
 from pipeline.draft.model import DraftModelProposer
@@ -721,6 +722,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_engine.py", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "smollm2-cpu.yaml"))
     p.add_argument("--model", default=None, help="override the config's model (e.g. tiny:0)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (YAML value), e.g. --set weights=float")
     p.add_argument("--plan", nargs="+", default=["copy:1,8,32", "chat:1,8,32", "mix:1,8,32"],
                    help="workload:batch,batch... (a file in scripts/workloads or a .jsonl)")
     p.add_argument("--modes", nargs="+", default=["none", "adaptive", "k2", "k4", "k8"],
@@ -783,6 +786,11 @@ def main(argv: list[str] | None = None) -> int:
                                  "max_model_len": 1024}
     if args.model:
         overrides["model"] = args.model
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key] = yaml.safe_load(value)
     config = load_config(args.config, overrides)
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
                             seed=0 if args.temperature > 0 else None)
