@@ -20,6 +20,13 @@ import ray
 
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
+from pipeline.engine.model_info import model_info
+from pipeline.engine.stage_resources import (
+    engine_needs,
+    live_stage_groups,
+    stage_group_name,
+    stage_resources,
+)
 from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.gc_tuning import tune_gc
 from pipeline.output.delta_codec import decode_deltas
@@ -84,26 +91,25 @@ async def create_stage_actors(config: EngineConfig,
     from actors.output import OutputActor
     from actors.verifier import TargetVerifier
 
-    gpu = config.device.startswith("cuda")
-    place = config.placement_spec
-    bundles = place.verifier_bundles(config.tensor_parallel_size, gpu)
-    pg = placement_group(bundles, strategy=place.verifier_strategy, name=group_name)
-    report(f"waiting for the verifier placement group ({place.verifier_strategy} {bundles})")
+    need = stage_resources(config)
+    pg = placement_group(need.verifier_bundles, strategy=need.verifier_strategy, name=group_name)
+    report(f"waiting for the verifier placement group ({need.verifier_strategy} "
+           f"{need.verifier_bundles})")
     await pg.ready()
     verifiers = [
         ray.remote(TargetVerifier).options(
-            num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0,
+            num_cpus=1, num_gpus=need.verifier_gpus, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=rank)).remote(config, rank)
         for rank in range(config.tensor_parallel_size)
     ]
     draft = ray.remote(DraftWorker).options(
-        num_cpus=0, num_gpus=1 if gpu and config.draft == "model" else 0, max_restarts=0,
-        resources=place.draft_resources).remote(config)
+        num_cpus=0, num_gpus=need.draft_gpus, max_restarts=0,
+        resources=need.draft_resources).remote(config)
     output = ray.remote(OutputActor).options(
-        num_cpus=0, max_restarts=0, resources=place.output_resources).remote(config)
-    report(f"waiting for the stage actors (draft {place.draft_resources}, "
-           f"output {place.output_resources}) to start and load")
+        num_cpus=0, max_restarts=0, resources=need.output_resources).remote(config)
+    report(f"waiting for the stage actors (draft {need.draft_resources}, "
+           f"output {need.output_resources}) to start and load")
     init = None
     if config.tensor_parallel_size > 1:
         init = await verifiers[0].rendezvous_address.remote()
@@ -307,17 +313,7 @@ class Engine:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     async def model_info(self) -> dict[str, Any]:
-        info = self.actors.info if self.actors is not None else {}
-        return {
-            "name": self.config.served_name,
-            "source": self.config.model,
-            "max_model_len": self.config.max_model_len,
-            "vocab_size": info.get("vocab_size"),
-            "eos_token_ids": info.get("eos_token_ids", []),
-            "draft": self.config.draft,
-            "num_speculative_tokens": self.config.num_speculative_tokens,
-            "tensor_parallel_size": self.config.tensor_parallel_size,
-        }
+        return model_info(self.config, self.actors.info if self.actors is not None else {})
 
     async def stage_actors(self) -> dict[str, Any]:
         """Handles of the current stage actors (operations and failure tests)."""
@@ -341,26 +337,13 @@ class Engine:
         return self.core
 
 
-def engine_needs(config: EngineConfig) -> str:
-    """The cluster resources an engine waits for, in words (for start-up messages)."""
-    gpu = config.device.startswith("cuda")
-    place = config.placement_spec
-    bundles = place.verifier_bundles(config.tensor_parallel_size, gpu)
-    draft_gpu = 1 if gpu and config.draft == "model" else 0
-    return (f"a {place.verifier_strategy} placement group of {len(bundles)} bundle(s) {bundles} "
-            f"for the verifier ranks, a draft actor (GPU: {draft_gpu}, "
-            f"{place.draft_resources or 'no custom resources'}), an output actor "
-            f"({place.output_resources or 'no custom resources'}) and the engine actor "
-            f"({place.engine_resources or 'no custom resources'})")
-
-
 def start_engine(config: EngineConfig, name: str | None = None,
                  timeout_s: float | None = None) -> Any:
     """Create the Engine actor and its stage actors (inside a running Ray); returns the handle
     once the models are loaded. TimeoutError (saying what the engine needs and what the cluster
     has free) when that takes longer than `timeout_s`; the half-started engine is killed."""
     options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000, "max_restarts": 0,
-                               "resources": config.placement_spec.engine_resources}
+                               "resources": stage_resources(config).engine_resources}
     if name is not None:
         options["name"] = name
     # health() has its own group: 1000 generate calls must not queue it (docs/reliability.md).
@@ -386,15 +369,6 @@ def stop_engine(handle: Any) -> None:
         remove_stage_groups(handle)
 
 
-def stage_group_prefix(engine_id: str) -> str:
-    """The name of every stage placement group of the Engine actor `engine_id`, but its build."""
-    return f"specrelay-stages:{engine_id}:"
-
-
-def stage_group_name(engine_id: str, build: int) -> str:
-    return f"{stage_group_prefix(engine_id)}{build}"
-
-
 def remove_stage_groups(engine: Any) -> int:
     """Remove what is left of the placement groups the Engine actor `engine` made for its stages;
     returns how many. Ray frees a group made by an actor only once that actor and its job have
@@ -402,9 +376,7 @@ def remove_stage_groups(engine: Any) -> int:
     signal kept its verifier CPUs/GPUs reserved, and its replacement could wait for them."""
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    prefix = stage_group_prefix(engine._actor_id.hex())
-    groups = [pg_id for pg_id, row in ray.util.placement_group_table().items()
-              if row["name"].startswith(prefix) and row["state"] != "REMOVED"]
+    groups = live_stage_groups(ray.util.placement_group_table(), engine._actor_id.hex())
     for pg_id in groups:
         with contextlib.suppress(Exception):  # removed meanwhile
             remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))

@@ -7,6 +7,8 @@ from typing import Any
 
 from pipeline import validate as check
 
+GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark")
+
 # Bounds that keep one request from costing the server unbounded work or memory.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
@@ -15,6 +17,17 @@ MAX_LOGPROBS = 20
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_SEED = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range; hotter is noise (and every API client is told so)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar (llguidance's grammar text) and what it was made from (for messages).
+    Plain data, so every stage and the protocol can hold one without llguidance: the grammar
+    stage compiles it (pipeline.grammar.llg.compile_grammar) and builds matchers from it
+    (`grammar_matcher`, against the stage's own tokenizer)."""
+
+    kind: str  # one of GRAMMAR_KINDS
+    compiled: str
 
 
 @dataclass
@@ -34,8 +47,7 @@ class SamplingParams:
     top_k: int = -1  # -1 (or 0) = disabled
     seed: int | None = None
     min_new_tokens: int = 0
-    # Structured output: a compiled pipeline.grammar.llg.Grammar (JSON schema, regex, choice,
-    # Lark), or a zero-argument factory of matchers with `accept_token(token_id) -> bool` and
+    # Structured output: a compiled `Grammar` (above: JSON schema, regex, choice, Lark), or a zero-argument factory of matchers with `accept_token(token_id) -> bool` and
     # `is_terminated() -> bool` (pipeline.grammar.choice_grammar; output-side only).
     grammar: Any = None
 
@@ -68,7 +80,7 @@ class SamplingParams:
         if self.seed is not None:
             check.integer("seed", self.seed, 0, MAX_SEED)
         if (self.grammar is not None and not callable(self.grammar)
-                and not hasattr(self.grammar, "matcher")):
+                and not isinstance(self.grammar, Grammar)):
             raise ValueError("grammar: must be a compiled Grammar or a matcher factory")
 
     @property

@@ -13,14 +13,17 @@ from pipeline.grammar.matcher import (
     grammar_end,
     grammar_error,
 )
+from pipeline.params import Grammar
 
 __all__ = ["GrammarMatcher", "TokenSequenceMatcher", "choice_grammar", "grammar_end",
            "grammar_error", "new_matcher"]
 
 
 def new_matcher(grammar: Any, tokenizer: Any) -> Any:
-    """A fresh matcher for `SamplingParams.grammar`: a compiled `llg.Grammar` (built against
+    """A fresh matcher for `SamplingParams.grammar`: a compiled `Grammar` (built against
     `tokenizer`) or a zero-argument factory such as `choice_grammar`'s."""
-    if hasattr(grammar, "matcher"):
-        return grammar.matcher(tokenizer)
+    if isinstance(grammar, Grammar):
+        from pipeline.grammar.llg import grammar_matcher  # llguidance: only when a grammar comes
+
+        return grammar_matcher(grammar, tokenizer)
     return grammar()

@@ -5,10 +5,11 @@ grammar once and matches it token by token with an Earley parser over a token tr
 the next token costs well under a millisecond, `rollback(n)` undoes consumed tokens, and
 `validate_tokens` checks a draft without consuming it, which is what speculation needs.
 
-A `Grammar` is plain data (the compiled grammar text), so it travels inside `SamplingParams` to
-every stage (pickled by Ray); each stage builds its own matchers against its own tokenizer
-(`Grammar.matcher(tokenizer)`), the LLTokenizer built once per tokenizer object, the compiled
-templates kept under a byte budget (`pipeline.grammar.memory`).
+A `Grammar` (pipeline.params) is plain data (the compiled grammar text), so it travels inside
+`SamplingParams` to every stage (the protocol encodes it; decoding it needs no llguidance); each
+stage builds its own matchers against its own tokenizer (`grammar_matcher(grammar, tokenizer)`),
+the LLTokenizer built once per tokenizer object, the compiled templates kept under a byte budget
+(`pipeline.grammar.memory`).
 
 Dead ends. `compile_grammar` refuses what it can see: invalid sources, llguidance's limits hit
 while the first tokens are matched (a short probe: "too many expressions constructed", "row has
@@ -22,7 +23,6 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -31,10 +31,10 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from pipeline.grammar.memory import BYTES_PER_CHAR, MEMORY, Entry, rss_bytes
 from pipeline.grammar.schema_check import no_finite_instance
+from pipeline.params import GRAMMAR_KINDS, Grammar
 from pipeline.tiny_tokenizer import ByteTokenizer
 from pipeline.tokenizer import eos_token_ids
 
-GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False}  # separators "," and ":", no free whitespace
 MAX_GRAMMAR_CHARS = 64 << 10  # one request's grammar source; bigger ones are refused
 
@@ -88,25 +88,17 @@ class _ByteVocab:
         return self._tok.encode(text)
 
 
-@dataclass(frozen=True)
-class Grammar:
-    """A compiled grammar (llguidance's grammar text) and what it was made from (for messages).
-
-    Not a zero-argument factory like `choice_grammar`: matchers need the stage's tokenizer."""
-
-    kind: str  # one of GRAMMAR_KINDS
-    compiled: str
-
-    def matcher(self, tokenizer: Any) -> LLGuidanceMatcher:
-        """A fresh matcher; it holds a reference on the process's template until dropped."""
-        if tokenizer is None:
-            raise ValueError("grammar: a grammar-constrained request needs a tokenizer")
-        lltok = lltokenizer(tokenizer)
-        # building a matcher parses the grammar (ms); a copy is cheap
-        template, entry = MEMORY.acquire((id(lltok), self.compiled),
-                                         lambda: LLMatcher(lltok, self.compiled, log_level=0,
-                                                           limits=LIMITS), owner=lltok)
-        return LLGuidanceMatcher(template.deep_copy(), entry)
+def grammar_matcher(grammar: Grammar, tokenizer: Any) -> LLGuidanceMatcher:
+    """A fresh matcher of `grammar` over `tokenizer`; it holds a reference on the process's
+    template until dropped."""
+    if tokenizer is None:
+        raise ValueError("grammar: a grammar-constrained request needs a tokenizer")
+    lltok = lltokenizer(tokenizer)
+    # building a matcher parses the grammar (ms); a copy is cheap
+    template, entry = MEMORY.acquire((id(lltok), grammar.compiled),
+                                     lambda: LLMatcher(lltok, grammar.compiled, log_level=0,
+                                                       limits=LIMITS), owner=lltok)
+    return LLGuidanceMatcher(template.deep_copy(), entry)
 
 
 def compile_grammar(kind: str, source: Any, tokenizer: Any) -> Grammar:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.params import Grammar
 from pipeline.protocol import StepPlan
 
 
@@ -36,7 +37,7 @@ class GrammarTracker:
         for rid in plan.release:
             self._matchers.pop(rid, None)
         for new in plan.new:
-            if hasattr(new.params.grammar, "matcher"):  # a compiled grammar (test factories:
+            if isinstance(new.params.grammar, Grammar):  # a compiled grammar (test factories:
                 m = self._matchers[new.rid] = self._new_matcher(new.params.grammar)  # output only)
                 # a preempted request comes back with its output so far: the matcher
                 # consumes it again, as its commits did before
@@ -76,7 +77,9 @@ class GrammarTracker:
                 out[i, : rows.shape[0]] = rows
         return out
 
-    def _new_matcher(self, grammar: Any) -> Any:
+    def _new_matcher(self, grammar: Grammar) -> Any:
+        from pipeline.grammar.llg import grammar_matcher  # llguidance: only when a grammar comes
+
         if self._tokenizer is None:
             self._tokenizer = self._load_tokenizer()
-        return grammar.matcher(self._tokenizer)
+        return grammar_matcher(grammar, self._tokenizer)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.params import SamplingParams
+from pipeline.params import GRAMMAR_KINDS, Grammar, SamplingParams
 from pipeline.protocol.messages import NewRequest, Proposal, RankReport, StepOutcome, StepPlan
 from pipeline.protocol.wire import (
     F32,
@@ -138,8 +138,6 @@ def _grammar(raw: Any, where: str) -> Any:
     if raw is None:
         return None
     check_keys(raw, _GRAMMAR_KEYS, where)
-    from pipeline.grammar.llg import GRAMMAR_KINDS, Grammar  # llguidance: only when needed
-
     if raw["kind"] not in GRAMMAR_KINDS:
         raise ProtocolError(f"{where}.kind: unknown kind {raw['kind']!r}")
     return Grammar(raw["kind"], want_str(raw["compiled"], f"{where}.compiled", MAX_GRAMMAR_CHARS))

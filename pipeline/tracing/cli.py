@@ -10,7 +10,7 @@ step the k the controller chose (and its cap and why, from `spec.control.*`), th
 verifier checked, how many it accepted and how many the output kept, and where it finished.
 
 Per-request step numbers come from the `spec.request.*` arrays on `spec.verify_step` spans (see
-pipeline/output/spans.py); for traces without them the steps are found through span links, with
+pipeline/tracing/schema.py); for traces without them the steps are found through span links, with
 the counts unknown.
 """
 
@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.output.spans import (
+from pipeline.tracing.schema import (
     ENGINE_STEP_SPAN,
     FINISH_EVENT,
     REQUEST_SPAN,

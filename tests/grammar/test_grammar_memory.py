@@ -11,7 +11,7 @@ import llguidance
 import pytest
 
 from pipeline.grammar import memory
-from pipeline.grammar.llg import Grammar, compile_grammar
+from pipeline.grammar.llg import Grammar, compile_grammar, grammar_matcher
 from pipeline.grammar.memory import BYTES_PER_CHAR, GrammarMemory, rss_bytes, set_memory_budget
 from pipeline.models.runners import tiny_tokenizer
 
@@ -58,11 +58,11 @@ def test_templates_in_use_are_never_dropped_and_released_ones_go_once_over_budge
 
 def test_a_matcher_holds_its_grammar_until_it_is_dropped():
     grammar = compile_grammar("regex", "[a-z]{3}", TOK)
-    m = grammar.matcher(TOK)
+    m = grammar_matcher(grammar, TOK)
     (entry,) = [e for k, e in memory.MEMORY._entries.items() if k[1] == grammar.compiled]
     refs = entry.refs
     assert refs >= 1
-    second = grammar.matcher(TOK)
+    second = grammar_matcher(grammar, TOK)
     assert entry.refs == refs + 1
     del m, second
     gc.collect()
@@ -123,7 +123,7 @@ def stage_side(tokenizer, n: int) -> tuple[int, int]:
     start = peak = rss_bytes()
     for i in range(n):
         g = Grammar("regex", llguidance.grammar_from("regex", hostile(i)))
-        m = g.matcher(tokenizer)
+        m = grammar_matcher(g, tokenizer)
         m.masks(tokenizer.encode(chr(ord("b") + i % 24) * 2, add_special_tokens=False)[:2],
                 vocab)
         del m  # the request ended
@@ -153,7 +153,7 @@ def _fifty_in_a_fresh_process(smollm2_path: str) -> tuple[float, float]:
     tokenizer = AutoTokenizer.from_pretrained(
         os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
     lltokenizer(tokenizer)  # built once per process at start-up, not part of the growth
-    compile_grammar("regex", "[a-z]+", tokenizer).matcher(tokenizer)
+    grammar_matcher(compile_grammar("regex", "[a-z]+", tokenizer), tokenizer)
     start, peak = stage_side(tokenizer, 50)
     stage = (peak - start) / MB
     start, peak = front_end_side(tokenizer, 50)

@@ -342,14 +342,14 @@ def test_a_dead_end_or_limit_met_while_generating_ends_the_request_with_an_error
 
 
 def test_the_verifier_leaves_a_dead_end_row_unconstrained_and_the_matcher_reports_it():
-    from pipeline.grammar.llg import Grammar
+    from pipeline.grammar.llg import grammar_matcher
 
-    m = unchecked_grammar("regex", "a{1000000}").matcher(TOK)
+    m = grammar_matcher(unchecked_grammar("regex", "a{1000000}"), TOK)
     rows = m.masks([ord("a"), ord("a")], 256)
     assert rows.shape == (3, 256)
     assert rows[1:].all()  # past the limit: no all-masked row (never a hang)
     assert m.is_dead() and "too many expressions" in m.error()
-    ok = Grammar.matcher(compile_grammar("regex", "ab", TOK), TOK)
+    ok = grammar_matcher(compile_grammar("regex", "ab", TOK), TOK)
     assert ok.accept_token(ord("a")) and ok.error() is None
     assert not ok.accept_token(ord("x")) and "satisfy the grammar" in ok.error()
 

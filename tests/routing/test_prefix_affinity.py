@@ -1,12 +1,19 @@
-"""Prefix affinity (pipeline/routing/prefix_affinity.py): whole-block chained keys, the longest
-matched prefix wins unless loads differ, dead replicas are forgotten, the table is bounded."""
+"""Prefix affinity (pipeline/routing/prefix_affinity.py): whole-block chained keys (the prefix
+cache's own, pipeline/block_hash.py), the longest matched prefix wins unless loads differ, dead
+replicas are forgotten, the table is bounded."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.paths import REPO
 
+from pipeline.block_hash import chain_key
+from pipeline.models.block_manager import BlockManager
 from pipeline.routing.prefix_affinity import PrefixAffinity, block_keys
 
 SYSTEM = list(range(100, 164))  # 4 blocks of 16
@@ -21,6 +28,32 @@ def test_keys_cover_whole_blocks_only_and_chain_on_everything_before():
     assert block_keys([1] * 16 + [2] * 16 + [9], 16) == a
     with pytest.raises(ValueError, match="block_size"):
         block_keys([1], 0)
+
+
+def test_a_key_is_blake2b_of_the_parent_key_and_the_int64_ids():
+    """Stable across processes and runs (a literal), and chained: key i covers blocks 0..i."""
+    assert block_keys([1, 2, 3, 4], 4)[0].hex() == "087a24230771ee662be37e5493b333d7"
+    keys = block_keys(list(range(40)), 8)
+    assert keys == [chain_key(keys[i - 1] if i else b"", list(range(8 * i, 8 * i + 8)))
+                    for i in range(5)]
+
+
+@given(st.lists(st.integers(0, 1 << 20), max_size=80), st.sampled_from([1, 4, 16]))
+def test_the_routers_keys_are_the_keys_the_prefix_cache_holds_the_prompt_under(tokens,
+                                                                              block_size):
+    bm = BlockManager(num_blocks=100, block_size=block_size, prefix_caching=True)
+    bm.add(0)
+    bm.ensure(0, len(tokens))
+    bm.commit(0, tokens)  # a replica prefilled the prompt: its full blocks are keyed
+    cached = [bm._key[b] for b in bm.tables[0][:len(tokens) // block_size]]
+    assert PrefixAffinity(block_size=block_size).keys(tokens) == cached
+
+
+def test_the_router_process_does_not_import_torch():
+    code = "import sys, pipeline.routing.prefix_affinity; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_the_replica_holding_the_longest_prefix_is_chosen():
@@ -90,7 +123,7 @@ def test_a_choice_is_a_candidate_holding_a_longest_prefix_within_the_threshold(h
         assert max(loads.values()) - min(loads.values()) <= 2
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def _common(a: list[bytes], b: list[bytes]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1

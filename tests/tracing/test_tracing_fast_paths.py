@@ -18,10 +18,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from pipeline import SamplingParams
 from pipeline.output.processor import OutputProcessor
-from pipeline.output.spans import TracedOutputProcessor, retained_from_step
+from pipeline.output.spans import TracedOutputProcessor
 from pipeline.protocol import ProtocolError, VerifyStep, encode
 from pipeline.tracing.otel import context_from_traceparent, make_provider, resolve_config
 from pipeline.tracing.recorder import SpanRecorder
+from pipeline.tracing.schema import retained_from_step
 
 HEX = "0123456789abcdef"
 

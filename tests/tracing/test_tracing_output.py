@@ -13,13 +13,10 @@ from support.trace_scenario import EOS, run_scenario, toks
 
 from pipeline import SamplingParams
 from pipeline.output.processor import OutputProcessor
-from pipeline.output.spans import (
-    TracedOutputProcessor,
-    matched_from_attributes,
-    retained_from_step,
-)
+from pipeline.output.spans import TracedOutputProcessor
 from pipeline.protocol import ProtocolError, VerifyStep, encode
 from pipeline.tracing.otel import make_provider, resolve_config, traceparent_of
+from pipeline.tracing.schema import matched_from_attributes, retained_from_step
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Why a step's k was chosen: the controller's decision for one step, as a record and as span
 attributes (`spec.control.*` on the engine's `spec.engine_step` span; the names are documented
-with the other trace names in pipeline/output/spans.py).
+with the other trace names in pipeline/tracing/schema.py).
 
 The controller keeps what it computed anyway while planning (`SpecController.decision`), and this
 record is built from it only for a step whose span is sampled, so an unsampled step pays nothing
