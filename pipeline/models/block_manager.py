@@ -35,14 +35,11 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from pipeline.block_hash import chain_key
+
 
 class CacheFullError(RuntimeError):
     """No free sequence slot, or not enough free blocks for a sequence to grow."""
-
-
-def chain_key(parent: bytes, tokens: list[int]) -> bytes:
-    """The key of a full block: its parent's key (b"" for the first) and its tokens."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockManager:
