@@ -153,7 +153,7 @@ class LlamaModel(nn.Module):
                 attn_metadata: AttnMetadata, logits_idx: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """input_ids, positions [N] -> logits [N, vocab] (or [len(logits_idx), vocab])."""
-        x = self.embed(input_ids).to(self.norm.weight.dtype)  # an Int8Table gives bfloat16
+        x = self.embed(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], attn_metadata)
@@ -207,7 +207,8 @@ def use_column_major_weights(model: LlamaModel) -> None:
     memory), so `F.linear` runs a no-transpose GEMM. Measured single-threaded on SmolLM2 shapes
     this is never slower and 1.5-2.2x faster for 5-32 rows (verify runs, batched decode);
     bfloat16 GEMMs (oneDNN) prefer the usual layout, so they are left alone. A tied LM head
-    gets its own column-major copy; the embedding keeps the row-major table for lookups.
+    becomes column-major too, and the embedding looks its rows up in that same tensor (one
+    float32 copy of the table, not two).
     Where oneDNN is available every projection becomes a `CpuLinear` (multi-row calls on a
     prepacked oneDNN weight). Idempotent: modules shared with another model are kept."""
     with torch.no_grad():
@@ -215,6 +216,7 @@ def use_column_major_weights(model: LlamaModel) -> None:
             w = model.embed.weight
             model.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
             model.lm_head.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
+            model.embed.weight = model.lm_head.weight
         linears = [(parent, name, child) for parent in model.modules()
                    for name, child in parent.named_children() if type(child) is nn.Linear]
         for parent, name, linear in linears:

@@ -27,14 +27,7 @@ from pipeline import file_cache
 from pipeline.config import QUANTIZATIONS, WEIGHTS
 from pipeline.models.config import ModelConfig
 from pipeline.models.llama import LlamaModel
-from pipeline.models.quant import (
-    GroupQuant,
-    Int4Linear,
-    Int8Table,
-    TiedHead,
-    gguf_group_quant,
-    quantize_linears,
-)
+from pipeline.models.quant import GroupQuant, Int4Linear, gguf_group_quant, quantize_linears
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,18 +78,13 @@ def load_model(path: str, dtype: str | torch.dtype = torch.float32,
     return LoadedModel(model, config, tokenizer, template)
 
 
-def build_model(config: ModelConfig, hf_tensors: dict[str, torch.Tensor | GroupQuant | Int8Table],
+def build_model(config: ModelConfig, hf_tensors: dict[str, torch.Tensor | GroupQuant],
                 dtype: torch.dtype) -> LlamaModel:
     """A LlamaModel holding `hf_tensors` (HF names), without a throwaway random init.
-    GroupQuant projections become Int4Linear; an Int8Table embedding stays one (and is the
-    LM head too when the embeddings are tied)."""
+    GroupQuant projections become Int4Linear."""
     state = hf_to_internal(hf_tensors, config)
     with torch.device("meta"):
         model = LlamaModel(config)
-    if isinstance(state["embed.weight"], Int8Table):
-        model.embed = state.pop("embed.weight")
-        if config.tie_word_embeddings:
-            model.lm_head = TiedHead(model.embed)
     for key in [k for k, v in state.items() if isinstance(v, GroupQuant)]:
         path = key.removesuffix(".weight")
         parent, _, name = path.rpartition(".")
@@ -269,6 +257,8 @@ def read_gguf(path: str, quantized: bool = False
     tensors: dict[str, torch.Tensor | GroupQuant] = {}
     for t in table["tensors"]:
         raw = data[t["offset"]:t["offset"] + t["bytes"]].view(np.dtype(t["dtype"]))
+        # the token table stays float: a lookup reads rows, and as a tied LM head its logits
+        # must be float32 (torch's int8/int4 kernels give bfloat16 logits: ties, coarse logprobs)
         embedding = t["hf"] == "model.embed_tokens.weight"
         if quantized and t["type"] in _GROUP_QUANT_TYPES and not embedding:
             gq = gguf_group_quant(raw.reshape(t["shape"]), t["type"], _logical_shape(t))
@@ -282,14 +272,11 @@ def read_gguf(path: str, quantized: bool = False
                        dtype=np.float32)
         if t["unpermute_heads"]:
             w = unpermute_rope_rows(w, t["unpermute_heads"])
-        w = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
-        quantized_table = embedding and quantized and t["type"] not in _FLOAT_TYPES
-        tensors[t["hf"]] = Int8Table(w) if quantized_table else w
+        tensors[t["hf"]] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
     return config, tensors
 
 
 _GROUP_QUANT_TYPES = (2, 3, 12)  # GGMLQuantizationType Q4_0, Q4_1, Q4_K
-_FLOAT_TYPES = (0, 1, 30)         # F32, F16, BF16
 
 
 def _logical_shape(t: dict[str, Any]) -> tuple[int, int]:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32  # weights per scale: the block of Q4_0/Q4_1 and the sub-block of Q4_K
@@ -146,43 +145,6 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4/{GROUP}"
 
 
-class Int8Table(nn.Module):
-    """A token table [vocab, hidden] kept small: a bfloat16 copy for embedding lookups and LM
-    heads of several rows, int8 rows (one scale each) for a one-row LM head, where torch's
-    int8 GEMV beats the bfloat16 GEMM (SmolLM2's head, one thread: ~3.7 vs ~6.3 ms) and loses
-    at more rows (5 rows: ~9.5 vs ~7.5 ms). Plain attributes, not buffers: `Module.to(dtype)`
-    must not widen them (quantized models run on the CPU only)."""
-
-    def __init__(self, w: torch.Tensor) -> None:
-        super().__init__()
-        w = w.detach().float()
-        self.num_embeddings, self.embedding_dim = w.shape
-        scale = w.abs().amax(1).clamp_min(1e-12) / 127
-        self.codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.scale = scale.to(COMPUTE_DTYPE)
-        self.rows = w.to(COMPUTE_DTYPE)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.rows[ids]
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(COMPUTE_DTYPE)
-        if x.shape[0] == 1:
-            return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
-        return F.linear(x, self.rows)
-
-
-class TiedHead(nn.Module):
-    """The LM head of a model whose head is its (Int8Table) embedding."""
-
-    def __init__(self, table: Int8Table) -> None:
-        super().__init__()
-        self.table = [table]  # a list: the table stays registered once, under `embed`
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.table[0].logits(x)
-
-
 def dense_weight(linear: nn.Module) -> torch.Tensor:
     """The float weight of an nn.Linear or an unpacked Int4Linear (for tests and TP checks)."""
     if isinstance(linear, Int4Linear):
@@ -209,6 +171,5 @@ def quantize_linears(model: nn.Module) -> None:
         setattr(parent, name, Int4Linear(quantize_float(linear.weight), linear.bias))
 
 
-__all__ = ["COMPUTE_DTYPE", "GROUP", "GroupQuant", "Int4Linear", "Int8Table", "TiedHead",
-           "dense_weight",
+__all__ = ["COMPUTE_DTYPE", "GROUP", "GroupQuant", "Int4Linear", "dense_weight",
            "gguf_group_quant", "pack_quantized", "quantize_float", "quantize_linears"]

@@ -18,8 +18,6 @@ from pipeline.models.quant import (
     GROUP,
     GroupQuant,
     Int4Linear,
-    Int8Table,
-    TiedHead,
     gguf_group_quant,
     quantize_float,
     quantize_linears,
@@ -96,20 +94,6 @@ def test_group_quant_slices_like_the_float_weight():
         w.columns(16, 48)
 
 
-def test_int8_table_looks_up_rows_and_is_the_tied_head():
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(300, 64, generator=gen)
-    table = Int8Table(w)
-    ids = torch.tensor([0, 7, 299])
-    assert torch.equal(table(ids), w[ids].bfloat16())
-    head = TiedHead(table)
-    assert [name for name, _ in head.named_modules()] == [""]  # the table is not registered twice
-    for rows in (1, 4):  # the int8 GEMV path and the bfloat16 GEMM path
-        x = torch.randn(rows, 64, generator=gen)
-        want = x @ w.t()
-        assert (head(x).float() - want).abs().max() <= 0.03 * want.abs().max()
-
-
 @pytest.mark.parametrize("arch, qtype", [("llama", Q.Q4_1), ("llama", Q.Q4_0), ("qwen2", Q.Q4_1)])
 def test_quantized_gguf_runs_the_float_model(tmp_path, arch, qtype):
     """The file's 4-bit tensors (the q/k permutation undone on codes and scales) on the int4
@@ -119,7 +103,7 @@ def test_quantized_gguf_runs_the_float_model(tmp_path, arch, qtype):
     quant = load_model(str(path), load_tokenizer=False)
     float_ = load_model(str(path), load_tokenizer=False, weights="float")
     assert isinstance(quant.model.layers[0].attn.wqkv, Int4Linear)
-    assert isinstance(quant.model.embed, Int8Table)  # the table was quantized in the file
+    assert type(quant.model.embed) is torch.nn.Embedding  # lookups and a tied head: float
     assert type(float_.model.layers[0].attn.wqkv) is torch.nn.Linear
     got = _logits(ModelRunner(quant.model, quant.config, 1, 64), IDS)
     want = _logits(ModelRunner(float_.model, float_.config, 1, 64), IDS)
@@ -132,8 +116,25 @@ def test_a_float_gguf_stays_float_when_quantized_is_asked(tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(path, hf_model("llama"), "llama", Q.F32)
     loaded = load_model(str(path), load_tokenizer=False)
-    assert type(loaded.model.embed) is torch.nn.Embedding
     assert not any(isinstance(m, Int4Linear) for m in loaded.model.modules())
+
+
+def test_a_tied_table_is_held_once_and_the_logits_are_float32():
+    """The tied LM head and the embedding share one column-major float32 tensor; decode (one
+    row) and verify (several rows) give a position float32 logits equal up to float32 rounding
+    (bfloat16 logits would differ by steps of 2**-8 of their size)."""
+    config = tiny_config(tie_word_embeddings=True)
+    model = tiny_model(config, seed=4)
+    quantize_linears(model)
+    runner = ModelRunner(model, config, 2, 64)
+    assert model.embed.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    one, many = runner.allocate(), runner.allocate()
+    prompt = [3, 14, 15, 92]
+    runner.forward([one, many], [prompt, prompt])
+    decode = runner.forward([one], [[65]])[0]
+    verify = runner.forward([many], [[65, 35, 89]])[0]
+    assert decode.dtype == torch.float32
+    assert (decode[0] - verify[0]).abs().max() < 1e-4
 
 
 def test_hf_folder_int4_at_load(tmp_path):
