@@ -81,9 +81,12 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     # GGUF sources on the CPU: "quantized" keeps Q4_0/Q4_1/Q4_K projections 4-bit (torch's int4
-    # kernel, bfloat16 inside it; the token table int8 + bfloat16), "float" dequantizes every
-    # tensor to `dtype`. Ignored elsewhere (HF folders, tiny models, CUDA: float).
-    weights: str = "quantized"
+    # kernel, ~2x faster decoding), "float" dequantizes every tensor to `dtype`. Ignored elsewhere
+    # (HF folders, tiny models, CUDA: float). Not the default: the int4 kernel rounds its input
+    # to bfloat16, which turns attention's last-bit differences between a decode and a verify
+    # run into different logits, so greedy speculative output can leave target only's at a
+    # near-tie (docs/quantized-weights.md).
+    weights: str = "float"
     # Float sources (HF folders, tiny) on the CPU: "int4" quantizes the projections at load
     # (groups of 32, Q4_1's scheme); None keeps them in `dtype`.
     quantization: str | None = None

@@ -50,7 +50,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(path: str, dtype: str | torch.dtype = torch.float32,
-               load_tokenizer: bool = True, weights: str = "quantized",
+               load_tokenizer: bool = True, weights: str = "float",
                quantization: str | None = None) -> LoadedModel:
     """Load from a `.gguf` file or a Hugging Face folder (config.json + *.safetensors).
 

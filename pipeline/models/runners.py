@@ -27,7 +27,7 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
                 agreement_noise: float = 0.0, tp_rank: int = 0, tp_size: int = 1,
                 load_tokenizer: bool = True, block_size: int = 16,
                 kv_cache_tokens: int | None = None,
-                prefix_caching: bool = False, weights: str = "quantized",
+                prefix_caching: bool = False, weights: str = "float",
                 quantization: str | None = None) -> ModelRunner:
     """A ModelRunner over `source`:
 

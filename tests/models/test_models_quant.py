@@ -100,8 +100,8 @@ def test_quantized_gguf_runs_the_float_model(tmp_path, arch, qtype):
     kernel: the float load of the same file is the reference."""
     path = tmp_path / "m.gguf"
     write_gguf(path, hf_model(arch), arch, qtype)
-    quant = load_model(str(path), load_tokenizer=False)
-    float_ = load_model(str(path), load_tokenizer=False, weights="float")
+    quant = load_model(str(path), load_tokenizer=False, weights="quantized")
+    float_ = load_model(str(path), load_tokenizer=False)
     assert isinstance(quant.model.layers[0].attn.wqkv, Int4Linear)
     assert type(quant.model.embed) is torch.nn.Embedding  # lookups and a tied head: float
     assert type(float_.model.layers[0].attn.wqkv) is torch.nn.Linear
@@ -115,7 +115,7 @@ def test_quantized_gguf_runs_the_float_model(tmp_path, arch, qtype):
 def test_a_float_gguf_stays_float_when_quantized_is_asked(tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(path, hf_model("llama"), "llama", Q.F32)
-    loaded = load_model(str(path), load_tokenizer=False)
+    loaded = load_model(str(path), load_tokenizer=False, weights="quantized")
     assert not any(isinstance(m, Int4Linear) for m in loaded.model.modules())
 
 
