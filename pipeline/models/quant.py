@@ -106,7 +106,8 @@ def gguf_group_quant(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Gro
 # --- the layer -------------------------------------------------------------------------------
 
 class Int4Linear(nn.Module):
-    """`nn.Linear` over a GroupQuant weight; bfloat16 in and out (the CPU int4 kernel)."""
+    """`nn.Linear` over a GroupQuant weight on the CPU int4 kernel: bfloat16 inside it, the
+    caller's dtype in and out."""
 
     def __init__(self, weight: GroupQuant, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -145,15 +146,6 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4/{GROUP}"
 
 
-def dense_weight(linear: nn.Module) -> torch.Tensor:
-    """The float weight of an nn.Linear or an unpacked Int4Linear (for tests and TP checks)."""
-    if isinstance(linear, Int4Linear):
-        if linear.weight is None:
-            raise ValueError("Int4Linear is packed: its float weight is no longer held")
-        return linear.weight.dequantize()
-    return linear.weight
-
-
 def pack_quantized(model: nn.Module) -> None:
     """Pack every Int4Linear (after TP sharding, before serving: keeps the first step fast)."""
     for module in model.modules():
@@ -171,5 +163,5 @@ def quantize_linears(model: nn.Module) -> None:
         setattr(parent, name, Int4Linear(quantize_float(linear.weight), linear.bias))
 
 
-__all__ = ["COMPUTE_DTYPE", "GROUP", "GroupQuant", "Int4Linear", "dense_weight",
+__all__ = ["COMPUTE_DTYPE", "GROUP", "GroupQuant", "Int4Linear",
            "gguf_group_quant", "pack_quantized", "quantize_float", "quantize_linears"]
