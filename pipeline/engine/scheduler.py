@@ -37,7 +37,7 @@ from pipeline.engine.admission import FairQueue
 from pipeline.engine.spec.policy import SpecController
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
-from pipeline.protocol import NewRequest, StepOutcome, StepPlan, draft_room
+from pipeline.protocol import EngineCall, NewRequest, StepOutcome, StepPlan, draft_room
 from pipeline.spec_settings import SpecSettings
 
 
@@ -128,21 +128,21 @@ class Scheduler:
         self._closed = False
 
     # --- requests in and out --------------------------------------------------------------
-    def prepare(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                group: str | None = None, tenant: str = "") -> EngineRequest:
-        """Validate a request and cap its output at max_model_len; queues nothing. `group`: the
-        client request it belongs to (its choices share one), None for a request of its own;
-        `tenant`: who sent it (carried to the stages in NewRequest).
-        Raises ValueError (bad prompt, id in use) or EngineOverloadedError (queue full)."""
+    def prepare(self, call: EngineCall) -> EngineRequest:
+        """Validate a request and cap its output at max_model_len; queues nothing (`enqueue`
+        takes the call's `last`). Raises ValueError (bad prompt, id in use) or
+        EngineOverloadedError (queue full)."""
+        rid, prompt_ids, params = call.rid, call.prompt_ids, call.params
         if rid in self.running or rid in self.waiting:
             raise ValueError(f"request id {rid!r} is already in use")
         self.check_prompt(prompt_ids)
-        self._check_room(group or rid)
+        group = call.group or rid
+        self._check_room(group)
         # The engine never writes past max_model_len, so the output may not either.
         cap = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
         params = dataclasses.replace(params, max_new_tokens=cap,
                                      min_new_tokens=min(params.min_new_tokens, cap))
-        return EngineRequest(rid, list(prompt_ids), params, group=group or rid, tenant=tenant)
+        return EngineRequest(rid, list(prompt_ids), params, group=group, tenant=call.tenant)
 
     def enqueue(self, req: EngineRequest, last: bool = False) -> EngineRequest:
         """`last`: the client sends no request after this one (a batch job's final prompt), so
