@@ -82,7 +82,7 @@ class EngineCore:
                                    reserved_waiting=config.waiting_reserve,
                                    spec=SpecController(config.spec_settings),
                                    num_blocks=config.kv_blocks, block_size=config.block_size,
-                                   max_tokens=config.max_num_batched_tokens)
+                                   token_budget=config.max_num_batched_tokens)
         self.stats = EngineStats()
         self.stall = stall or StallDetector(config.step_timeout_floor_s,
                                             config.step_timeout_p99_multiple,

@@ -266,7 +266,7 @@ def test_every_plan_fits_the_budget_and_every_prompt_token_is_prefilled_once(wor
     budget, k, reqs, arrivals, rng = work
     sched = Scheduler(num_slots=4, max_waiting=64, max_model_len=256,
                       num_speculative_tokens=k, vocab_size=300, num_blocks=blocks,
-                      block_size=8, max_tokens=budget)
+                      block_size=8, token_budget=budget)
     held: dict[str, int] = {}  # what the stage's KV holds of the current prefill
     length: dict[str, int] = {}
     done: set[str] = set()  # prefill finished (the last chunk ran)
@@ -317,7 +317,7 @@ def test_every_plan_fits_the_budget_and_every_prompt_token_is_prefilled_once(wor
 
 def test_verify_rows_alone_over_the_budget_have_their_drafts_cut_to_fit():
     sched = Scheduler(num_slots=4, max_waiting=8, max_model_len=256, num_speculative_tokens=4,
-                      vocab_size=300, max_tokens=7)
+                      vocab_size=300, token_budget=7)
     for i in range(3):
         sched.enqueue(sched.prepare(EngineCall(f"r{i}", [5, 6], SamplingParams(max_new_tokens=50))))
     plan = sched.schedule()
@@ -332,7 +332,7 @@ def test_waiting_prompts_get_at_least_half_the_budget_from_drafting_streams():
     """16 streams at k 4 would fill a 64-token budget with verify rows; a newcomer waits, so
     their drafts shrink to leave it half the budget (each stream keeps its own token)."""
     sched = Scheduler(num_slots=17, max_waiting=32, max_model_len=256, num_speculative_tokens=4,
-                      vocab_size=300, max_tokens=64)
+                      vocab_size=300, token_budget=64)
     for i in range(16):
         sched.enqueue(sched.prepare(EngineCall(f"r{i}", [5, 6], SamplingParams(max_new_tokens=50))))
     plan = sched.schedule()
