@@ -31,8 +31,8 @@ from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.gc_tuning import tune_gc
 from pipeline.output.delta_codec import decode_deltas
 from pipeline.output.request_output import RequestOutput
-from pipeline.params import SamplingParams
 from pipeline.protocol import (
+    EngineCall,
     NewRequest,
     StepOutcome,
     StepPlan,
@@ -235,22 +235,20 @@ class Engine:
         finally:
             self._rebuilding = None
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       traceparent: str | None = None, group: str | None = None,
-                       last: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
-        """`group`: the client request this one belongs to (the choices of one HTTP request
-        share it), for fair admission; None: a group of its own. `last`: a batch job's final
-        request; `tenant`: whose drafting state it may share (EngineCore.add_request)."""
+    async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
+        """The request's deltas (EngineCore.add_request); a caller that stops reading early
+        aborts it."""
         core = self._core()
+        rid = call.rid
         # The engine's part of the request's trace (a sibling of the output actor's spec.request).
         span = self.tracer.start_span("spec.engine.request", context=context_from_traceparent(
-            traceparent), attributes={"request.id": rid, "request.prompt_tokens": len(prompt_ids)})
+            call.traceparent), attributes={"request.id": rid,
+                                           "request.prompt_tokens": len(call.prompt_ids)})
         finished = False
         stream = None
         try:
             try:
-                stream = await core.add_request(rid, list(prompt_ids), params, traceparent,
-                                                group, last, tenant)
+                stream = await core.add_request(call)
             except (ValueError, EngineOverloadedError, EngineDeadError):
                 raise  # refused (a refusal from the output actor arrives as a ValueError too)
             except Exception as e:  # noqa: BLE001 - the output actor is gone: fail and rebuild

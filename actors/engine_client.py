@@ -14,7 +14,7 @@ from typing import Any
 from pipeline.errors import EngineDeadError
 from pipeline.frontend.background import fire_and_forget
 from pipeline.output.request_output import RequestOutput
-from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall, as_engine_call
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -40,14 +40,13 @@ class EngineClient:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       traceparent: str | None = None, group: str | None = None,
-                       last: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
-        """`group`: the client request this choice belongs to (fair admission); `last`: a batch
-        job's final request (the batch drains after it); `tenant`: whose drafting state it may
-        share (pipeline.frontend.tenant)."""
-        gen = self.handle.generate.remote(rid, prompt_ids, params, traceparent, group, last,
-                                          tenant)
+    async def generate(self, call: EngineCall | str, *legacy: Any,
+                       **legacy_kw: Any) -> AsyncIterator[RequestOutput]:
+        """The request's deltas from the Engine actor; closing early aborts it there.
+        (`legacy`: the positional form scripts/bench_*.py still use, `as_engine_call`.)"""
+        call = as_engine_call(call, *legacy, **legacy_kw)
+        rid = call.rid
+        gen = self.handle.generate.remote(call)
         finished = False
         try:
             async for ref in gen:

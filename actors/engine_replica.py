@@ -71,8 +71,7 @@ class EngineReplica:
         span = get_tracer().start_span(
             "spec.replica.request", context=context_from_traceparent(call.traceparent),
             attributes={"request.id": call.rid, "serve.replica": self.replica})
-        outs = self.client.generate(call.rid, call.prompt_ids, call.params, call.traceparent,
-                                    call.group, call.last, call.tenant)
+        outs = self.client.generate(call)
         try:
             async for batch in coalesce(outs):
                 yield encode_deltas(batch)

@@ -17,6 +17,7 @@ from pipeline.config import load_config
 from pipeline.frontend.metrics import tokens_per_verify
 from pipeline.models.runners import load_engine_tokenizer
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -63,7 +64,7 @@ async def complete(handle: Any, prompts: list[list[int]], params: SamplingParams
     client = EngineClient(handle)
 
     async def one(i: int, ids: list[int]) -> list:
-        return [d async for d in client.generate(f"cli-{i}", ids, params)]
+        return [d async for d in client.generate(EngineCall(f"cli-{i}", ids, params))]
 
     return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
 

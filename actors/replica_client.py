@@ -23,7 +23,6 @@ from pipeline.errors import EngineDeadError
 from pipeline.frontend.replica_stats import merge_health, merge_stats
 from pipeline.output.delta_codec import decode_deltas
 from pipeline.output.request_output import RequestOutput
-from pipeline.params import SamplingParams
 from pipeline.protocol.engine_call import EngineCall
 
 ENGINE_NAME_PREFIX = "specrelay-engine"
@@ -75,10 +74,8 @@ class ReplicaClient:
         self._streams: dict[str, Any] = {}  # rid -> its handle call (abort cancels it)
         self._last_stats: dict[str, dict[str, Any]] = {}
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       traceparent: str | None = None, group: str | None = None,
-                       last: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
-        call = EngineCall(rid, list(prompt_ids), params, traceparent, group, last, tenant)
+    async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
+        rid = call.rid
         response = self.stream.generate.remote(call)
         self._streams[rid] = response
         finished = False

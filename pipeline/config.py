@@ -92,7 +92,7 @@ class EngineConfig:
     quantization: str | None = None
     max_waiting: int = 256  # queued choices (engine requests), over all client requests
     # Slots only a client request holding none may take, so a fan-out (n, prompt lists) cannot
-    # make a newcomer wait for a whole generation; at most num_slots - 1 take effect.
+    # make a newcomer wait for a whole generation; at most num_seqs - 1 take effect.
     reserved_slots: int = 1
     # Waiting places a client request's second and later choices may not take: a fan-out
     # (n, prompt lists) fills at most max_waiting - reserved_waiting places, so single requests
@@ -138,7 +138,10 @@ class EngineConfig:
 
     @property
     def num_seqs(self) -> int:
-        """The most requests in flight."""
+        """The most requests in flight: max_num_seqs, else num_slots. It is the `num_slots` of
+        every stage inside (the scheduler's, each runner's and KV cache's sequence slots, the
+        stats' "num_slots"); the config's own num_slots is only this default and the KV pool's
+        default size."""
         return self.num_slots if self.max_num_seqs is None else self.max_num_seqs
 
     @property

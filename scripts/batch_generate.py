@@ -44,6 +44,7 @@ from pipeline.frontend.structured import request_grammar, wants_grammar
 from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.models.runners import load_engine_tokenizer
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 DEFAULT_CONFIG = "configs/smollm2-cpu.yaml"
 INTERRUPTED = "interrupted"  # the error of a line the job stopped before finishing
@@ -117,7 +118,8 @@ async def run_one(engine: Any, item: Item, rid: str, last: bool = False) -> dict
     delay = 0.05
     while True:
         try:
-            async for out in engine.generate(rid, item.prompt_ids, item.params, last=last):
+            async for out in engine.generate(EngineCall(rid, item.prompt_ids, item.params,
+                                                        last=last)):
                 choice.add(out)
             break
         except EngineOverloadedError:

@@ -26,8 +26,7 @@ from pipeline.engine.stall import StallDetector, plan_tokens
 from pipeline.engine.stats import STEP_BUCKETS, EngineStats
 from pipeline.errors import EngineDeadError
 from pipeline.output.request_output import RequestOutput
-from pipeline.params import SamplingParams
-from pipeline.protocol import NewRequest, StepOutcome, StepPlan
+from pipeline.protocol import EngineCall, NewRequest, StepOutcome, StepPlan, as_engine_call
 
 
 class Stages(Protocol):
@@ -83,7 +82,7 @@ class EngineCore:
                                    reserved_waiting=config.waiting_reserve,
                                    spec=SpecController(config.spec_settings),
                                    num_blocks=config.kv_blocks, block_size=config.block_size,
-                                   max_tokens=config.max_num_batched_tokens)
+                                   token_budget=config.max_num_batched_tokens)
         self.stats = EngineStats()
         self.stall = stall or StallDetector(config.step_timeout_floor_s,
                                             config.step_timeout_p99_multiple,
@@ -103,18 +102,16 @@ class EngineCore:
         self._unreleased: dict[str, asyncio.Event] = {}
 
     # --- requests ---------------------------------------------------------------------------
-    async def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                          traceparent: str | None = None, group: str | None = None,
-                          last: bool = False, tenant: str = "") -> RequestStream:
+    async def add_request(self, call: EngineCall | str, *legacy: Any,
+                          **legacy_kw: Any) -> RequestStream:
         """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
         (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then.
-        `group`: the client request it belongs to (fair admission; None: a group of its own).
-        `last`: a batch job's final request (the batch drains after it; Scheduler.enqueue).
-        `tenant`: a hash naming the API key and `user` it came from (pipeline.frontend.tenant;
-        "" = anonymous): the draft stage shares state across requests of one tenant only.
+        (`legacy`: the positional form scripts/bench_*.py still use, `as_engine_call`.)
         An id whose previous request has finished is reusable once that request's slots are
         freed (the next step): until then this waits, since the step after a stop was planned
         with the stopped request, and its tokens would reach the new one under the same id."""
+        call = as_engine_call(call, *legacy, **legacy_kw)
+        rid = call.rid
         while rid in self._unreleased:
             if self._task is None or self._task.done():  # no loop to run the release plan
                 raise ValueError(f"request id {rid!r} is still being released")
@@ -123,12 +120,12 @@ class EngineCore:
             raise EngineDeadError(f"engine is unhealthy: {self.dead_reason}")
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = self.scheduler.prepare(rid, prompt_ids, params, group, tenant)
+        req = self.scheduler.prepare(call)
         stream = self._streams[rid] = RequestStream(rid)  # reserves the id across the await
         registered = False
         try:
-            await self.stages.add_request(NewRequest(rid, req.prompt_ids, req.params, tenant),
-                                          traceparent)
+            await self.stages.add_request(NewRequest(rid, req.prompt_ids, req.params, req.tenant),
+                                          call.traceparent)
             registered = True
             if self._streams.get(rid) is not stream:
                 # Aborted while registering (a client gone that early): never queue it, and
@@ -136,7 +133,7 @@ class EngineCore:
                 await self.stages.abort(rid)
                 return stream
             was_idle = not self.scheduler.has_work
-            self.scheduler.enqueue(req, last)  # the queue may have filled during the await
+            self.scheduler.enqueue(req, call.last)  # the queue may have filled during the await
         except BaseException:
             self._streams.pop(rid, None)
             if registered:

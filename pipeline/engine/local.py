@@ -6,6 +6,7 @@ Used by fast tests and benchmarks; TP needs one process per rank, so it is Ray-o
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pipeline.config import EngineConfig
@@ -18,7 +19,7 @@ from pipeline.models.runners import build_runner
 from pipeline.output.processor import OutputProcessor
 from pipeline.output.request_output import Completion, RequestOutput
 from pipeline.params import SamplingParams
-from pipeline.protocol import NewRequest, StepOutcome, StepPlan
+from pipeline.protocol import EngineCall, NewRequest, StepOutcome, StepPlan
 from pipeline.tokenizer import eos_token_ids
 from pipeline.verify.verifier import Verifier
 
@@ -85,7 +86,7 @@ async def collect(core: EngineCore, requests: list[tuple[str, list[int], Samplin
     """Submit all requests, run until each finished, fold their deltas."""
 
     async def one(rid: str, prompt: list[int], params: SamplingParams) -> Completion:
-        stream = await core.add_request(rid, prompt, params)
+        stream = await core.add_request(EngineCall(rid, prompt, params))
         return Completion.fold([d async for d in stream])
 
     core.start()
@@ -102,12 +103,9 @@ class LocalEngineClient:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       traceparent: str | None = None, group: str | None = None,
-                       last: bool = False, tenant: str = "") -> Any:
+    async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
         self.core.start()
-        stream = await self.core.add_request(rid, list(prompt_ids), params, traceparent, group,
-                                             last, tenant)
+        stream = await self.core.add_request(call)
         async for delta in stream:
             yield delta
 

@@ -14,7 +14,7 @@ Invariants:
   recomputed (prompt + output so far) as one prefill whose token is its next output token;
 - the queue and the slots are counted in choices (engine requests); admission happens whenever
   slots are free, in the order pipeline.engine.admission's rules give (stated there once);
-- chunked prefill (`max_tokens`, a step's token budget): verify rows go first (1 + draft cap
+- chunked prefill (`token_budget`, a step's tokens): verify rows go first (1 + draft cap
   each; caps shrink, largest first, while they exceed the budget, or half of it while prompts
   wait: `_verify_budget`), then the prefills already under way continue in arrival order,
   then admissions take the rest. A prefill may span steps ([start, end) chunks in the plan),
@@ -37,7 +37,7 @@ from pipeline.engine.admission import FairQueue
 from pipeline.engine.spec.policy import SpecController
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
-from pipeline.protocol import NewRequest, StepOutcome, StepPlan, draft_room
+from pipeline.protocol import EngineCall, NewRequest, StepOutcome, StepPlan, draft_room
 from pipeline.spec_settings import SpecSettings
 
 
@@ -100,9 +100,13 @@ class Scheduler:
                  vocab_size: int, reserved_slots: int = 0,
                  spec: SpecController | None = None, reserved_waiting: int = 0,
                  num_blocks: int | None = None, block_size: int = 16,
-                 max_tokens: int | None = None) -> None:
+                 token_budget: int | None = None) -> None:
+        # Sequence slots of every stage, the most requests running: the config's `num_seqs`
+        # (max_num_seqs, else its num_slots), which is also how many slots each stage has.
         self.num_slots = num_slots
-        self.max_tokens = max_tokens  # a step's token budget (chunked prefill); None: none
+        # The most tokens one step computes (chunked prefill; the config's
+        # max_num_batched_tokens); None: no budget.
+        self.token_budget = token_budget
         # The KV pool of every stage (None: no block accounting, slots are the only limit).
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -128,21 +132,21 @@ class Scheduler:
         self._closed = False
 
     # --- requests in and out --------------------------------------------------------------
-    def prepare(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                group: str | None = None, tenant: str = "") -> EngineRequest:
-        """Validate a request and cap its output at max_model_len; queues nothing. `group`: the
-        client request it belongs to (its choices share one), None for a request of its own;
-        `tenant`: who sent it (carried to the stages in NewRequest).
-        Raises ValueError (bad prompt, id in use) or EngineOverloadedError (queue full)."""
+    def prepare(self, call: EngineCall) -> EngineRequest:
+        """Validate a request and cap its output at max_model_len; queues nothing (`enqueue`
+        takes the call's `last`). Raises ValueError (bad prompt, id in use) or
+        EngineOverloadedError (queue full)."""
+        rid, prompt_ids, params = call.rid, call.prompt_ids, call.params
         if rid in self.running or rid in self.waiting:
             raise ValueError(f"request id {rid!r} is already in use")
         self.check_prompt(prompt_ids)
-        self._check_room(group or rid)
+        group = call.group or rid
+        self._check_room(group)
         # The engine never writes past max_model_len, so the output may not either.
         cap = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
         params = dataclasses.replace(params, max_new_tokens=cap,
                                      min_new_tokens=min(params.min_new_tokens, cap))
-        return EngineRequest(rid, list(prompt_ids), params, group=group or rid, tenant=tenant)
+        return EngineRequest(rid, list(prompt_ids), params, group=group, tenant=call.tenant)
 
     def enqueue(self, req: EngineRequest, last: bool = False) -> EngineRequest:
         """`last`: the client sends no request after this one (a batch job's final prompt), so
@@ -215,8 +219,8 @@ class Scheduler:
         _fit(caps, self._verify_budget(decode))
         preempted = self._preempt(decode, caps)
         decode = [r for r in decode if r.rid in self.running]
-        left = None if self.max_tokens is None else max(
-            0, self.max_tokens - sum(1 + c for c in caps.values()))
+        left = None if self.token_budget is None else max(
+            0, self.token_budget - sum(1 + c for c in caps.values()))
         chunks = []  # prefills under way, oldest first: (request, start, end)
         for req in sorted((r for r in self.running.values() if r.prefilling),
                           key=lambda r: r.seq):
@@ -278,14 +282,14 @@ class Scheduler:
         prefilled, else what the prompts leave but at least half (drafts are optional work, a
         prefill is not: without a share, many streams at full k would hold every new request
         back until some finished). A row's own token always goes (at least one each)."""
-        if self.max_tokens is None:
+        if self.token_budget is None:
             return None
         free = self.num_slots - len(self.running)
         demand = sum(r.prefill_len - r.computed for r in self.running.values() if r.prefilling)
         demand += sum(len(r.prefill_ids) for r in itertools.islice(self.waiting, free))
         if not demand:
-            return self.max_tokens
-        return max(self.max_tokens - demand, self.max_tokens // 2)
+            return self.token_budget
+        return max(self.token_budget - demand, self.token_budget // 2)
 
     # --- KV blocks ------------------------------------------------------------------------
     def _blocks(self, tokens: int) -> int:

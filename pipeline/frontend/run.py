@@ -14,6 +14,7 @@ from pipeline.frontend.background import fire_and_forget
 from pipeline.frontend.errors import ClientGone
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 from pipeline.tracing.otel import traceparent_of
 
 log = logging.getLogger(__name__)
@@ -55,16 +56,18 @@ class EngineRun:
         self.finished: set[int] = set()
 
     def start(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Send one choice to the engine, as part of this HTTP request (its group, tenant and
+        trace)."""
         index = len(self.rids)
         self.rids.append(rid)
-        self.tasks.append(asyncio.get_running_loop().create_task(
-            self._pump(index, rid, prompt_ids, params)))
+        call = EngineCall(rid, prompt_ids, params, self.traceparent, group=self.group,
+                          tenant=self.tenant)
+        self.tasks.append(asyncio.get_running_loop().create_task(self._pump(index, call)))
 
-    async def _pump(self, index: int, rid: str, ids: list[int], params: SamplingParams) -> None:
+    async def _pump(self, index: int, call: EngineCall) -> None:
         agen = None
         try:  # a failing call ends this choice with the error too, never a hang
-            agen = self.engine.generate(rid, ids, params, self.traceparent, group=self.group,
-                                        tenant=self.tenant)
+            agen = self.engine.generate(call)
             async for out in agen:
                 if out.finished and out.finish_reason == "error":  # never shown as a choice
                     raise GrammarOutputError(out.error or "the output could not be completed")

@@ -1,8 +1,10 @@
 """Every message between the engine and its stages, declared in one place (`messages`, and
 `verify_step` for the verifier -> output message), each versioned msgpack between processes
-(`step_codec`, `verify_step`) under one set of wire rules (`wire`). Imports nothing above it:
-every stage may import the protocol, the protocol imports no stage."""
+(`step_codec`, `verify_step`) under one set of wire rules (`wire`); and the request that enters
+the engine (`engine_call`). Imports nothing above it: every stage may import the protocol, the
+protocol imports no stage."""
 
+from pipeline.protocol.engine_call import EngineCall, as_engine_call
 from pipeline.protocol.messages import (
     NewRequest,
     Proposal,
@@ -53,10 +55,11 @@ from pipeline.protocol.wire import (
 __all__ = [
     "MAX_BATCH", "MAX_DRAFTED", "MAX_PAYLOAD_BYTES", "MAX_RID_CHARS", "MAX_TOP_N",
     "NEW_REQUEST_VERSION", "OUTCOME_VERSION", "PLAN_VERSION", "PROPOSAL_VERSION",
-    "PROTOCOL_VERSION", "RANK_REPORT_VERSION", "SAMPLING_FIELDS", "_KEYS", "NewRequest",
-    "Proposal", "ProtocolError", "RankReport",
-    "StepColumns", "StepOutcome", "StepPlan", "VerifyStep", "columns_from_step", "decode",
-    "decode_columns", "decode_new_request", "decode_outcome", "decode_plan", "decode_proposal",
-    "decode_rank_report", "draft_room", "encode", "encode_columns", "encode_new_request",
-    "encode_outcome", "encode_plan", "encode_proposal", "encode_rank_report", "validate_columns",
+    "PROTOCOL_VERSION", "RANK_REPORT_VERSION", "SAMPLING_FIELDS", "_KEYS", "EngineCall",
+    "NewRequest", "Proposal", "ProtocolError", "RankReport",
+    "StepColumns", "StepOutcome", "StepPlan", "VerifyStep", "as_engine_call", "columns_from_step",
+    "decode", "decode_columns", "decode_new_request", "decode_outcome", "decode_plan",
+    "decode_proposal", "decode_rank_report", "draft_room", "encode", "encode_columns",
+    "encode_new_request", "encode_outcome", "encode_plan", "encode_proposal", "encode_rank_report",
+    "validate_columns",
 ]

@@ -1,25 +1,45 @@
-"""The ingress -> engine replica call: one parsed request choice, what the engine's `generate`
-takes. The HTTP ingress builds it from the OpenAI request and sends it through Ray Serve's
-deployment handle, so the request router sees the prompt's token ids (prefix affinity,
-pipeline/routing/prefix_affinity.py) before a replica is chosen. The replica answers with a
-stream of msgpack delta messages (pipeline/output/delta_codec.py)."""
+"""One request choice on its way from the ingress to the engine core: the one object every layer
+takes and passes on (ReplicaClient -> EngineReplica -> EngineClient -> the Engine actor ->
+EngineCore.add_request -> Scheduler.prepare; LocalEngineClient without Ray), so its fields are
+declared here only. Through Ray it travels as a pickled argument: Serve's request router must
+read the prompt's token ids (prefix affinity, pipeline/routing/prefix_affinity.py) before a
+replica is chosen, and the params may hold a compiled grammar. The answer is a stream of msgpack
+delta messages (pipeline/output/delta_codec.py). Validation stays with the engine
+(Scheduler.check_prompt, the output stage's add_request): a ValueError naming the field."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.params import SamplingParams
 
 
 @dataclass
 class EngineCall:
-    """`group`: the client request the choice belongs to (fair admission; None: its own);
-    `last`: a batch job's final request; `tenant`: whose drafting state it may share."""
+    """One choice of a client request, as the engine takes it."""
 
-    rid: str
+    rid: str  # unique among the engine's requests in flight
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    traceparent: str | None = None
+    traceparent: str | None = None  # W3C trace context: the engine's spans join the request's
+    # the client request it belongs to (its choices are admitted fairly as one); None: its own
     group: str | None = None
-    last: bool = False
+    last: bool = False  # a batch job's final request: the batch drains after it
+    # a hash of the API key and `user` it came from (pipeline.frontend.tenant; "" = anonymous):
+    # the draft stage shares state across requests of one tenant only
     tenant: str = ""
+
+
+def as_engine_call(call: EngineCall | str, *args: Any, **kwargs: Any) -> EngineCall:
+    """`call` itself, or the EngineCall that the older positional form `(rid, prompt_ids,
+    params, ...)` names. Only scripts/bench_*.py still call EngineCore.add_request and
+    EngineClient.generate that way (they are left as they are while benchmarks run); drop this
+    once they build an EngineCall."""
+    if isinstance(call, EngineCall):
+        if args or kwargs:
+            raise TypeError("an EngineCall carries the whole request: pass nothing after it")
+        return call
+    if isinstance(call, str):
+        return EngineCall(call, *args, **kwargs)
+    raise TypeError(f"expected an EngineCall, got {type(call).__name__}")

@@ -20,6 +20,7 @@ from pipeline.config import load_config
 from pipeline.errors import EngineDeadError
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -47,7 +48,7 @@ def engines(ray_cluster):
 
 
 async def _collect(client: EngineClient, rid: str, prompt: list[int], params: SamplingParams):
-    return [d async for d in client.generate(rid, prompt, params)]
+    return [d async for d in client.generate(EngineCall(rid, prompt, params))]
 
 
 def _run_batch(handle, requests):
@@ -80,8 +81,8 @@ def test_ray_abort_ends_stream_and_frees_slots(engines):
 
     async def main():
         got = []
-        async for d in client.generate("ab", PROMPTS[0], SamplingParams(max_new_tokens=200,
-                                                                         ignore_eos=True)):
+        async for d in client.generate(EngineCall("ab", PROMPTS[0], SamplingParams(
+                max_new_tokens=200, ignore_eos=True))):
             got.append(d)
             if len(got) == 2:
                 await client.abort("ab")
@@ -108,7 +109,7 @@ def test_ray_full_queue_raises_overloaded_and_aborts_free_everything(engines):
         started, refused = [], []
 
         async def hold(rid: str) -> None:
-            gen = client.generate(rid, PROMPTS[1], params)
+            gen = client.generate(EngineCall(rid, PROMPTS[1], params))
             try:
                 started.append(await gen.__anext__())
                 await release.wait()
@@ -152,7 +153,7 @@ async def _kill_during_generation(handle, which: str) -> tuple[list, float]:
 
     async def consume(i: int) -> list:
         got = []
-        async for d in client.generate(f"k{which}{i}", PROMPTS[i], params):
+        async for d in client.generate(EngineCall(f"k{which}{i}", PROMPTS[i], params)):
             got.append(d)
             started[i].set()
         return got

@@ -21,6 +21,7 @@ from actors.engine_client import EngineClient
 from pipeline.config import load_config
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -34,7 +35,7 @@ def fresh_tp2(ray_cluster):
 
 
 async def _generate(handle, rid: str, params: SamplingParams) -> list:
-    return [d async for d in EngineClient(handle).generate(rid, LOSSY_PROMPT, params)]
+    return [d async for d in EngineClient(handle).generate(EngineCall(rid, LOSSY_PROMPT, params))]
 
 
 @pytest.mark.parametrize("kind", ["stop_id", "stop_string"])

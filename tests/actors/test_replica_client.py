@@ -15,6 +15,7 @@ from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.output.delta_codec import encode_deltas
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 
 class Response:
@@ -86,7 +87,7 @@ def run(coro):
 
 
 async def collect(client, **kw):
-    return [o async for o in client.generate("r1", [1, 2, 3], SamplingParams(), **kw)]
+    return [o async for o in client.generate(EngineCall("r1", [1, 2, 3], SamplingParams(), **kw))]
 
 
 def test_generate_sends_the_parsed_request_and_decodes_the_replicas_deltas():
@@ -106,7 +107,7 @@ def test_closing_early_cancels_the_replica_call():
     client = ReplicaClient(handle, Directory({}))
 
     async def go():
-        agen = client.generate("r1", [1], SamplingParams())
+        agen = client.generate(EngineCall("r1", [1], SamplingParams()))
         await agen.__anext__()
         await agen.aclose()
 
@@ -119,7 +120,7 @@ def test_abort_cancels_the_running_call_of_that_request():
     client = ReplicaClient(handle, Directory({}))
 
     async def go():
-        agen = client.generate("r7", [1], SamplingParams())
+        agen = client.generate(EngineCall("r7", [1], SamplingParams()))
         await agen.__anext__()
         await client.abort("r7")
         await client.abort("unknown")  # nothing to cancel: no error

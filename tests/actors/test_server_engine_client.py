@@ -11,6 +11,7 @@ from actors.engine_client import EngineClient, unwrap
 from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 
 def test_unwrap_gives_the_engine_error_and_maps_dead_actors():
@@ -34,8 +35,7 @@ class FakeHandle:
     """Mimics an actor handle: generate.remote returns an async iterator of awaitable refs."""
 
     def __init__(self, outputs, error=None):
-        self.outputs, self.error, self.aborted, self.groups = outputs, error, [], []
-        self.lasts, self.tenants = [], []
+        self.outputs, self.error, self.aborted, self.calls = outputs, error, [], []
         self.generate = _Method(self._generate)
         self.abort = _Method(self._abort)
         self.health = _Method(self._dead)
@@ -45,10 +45,8 @@ class FakeHandle:
             raise value
         return value
 
-    async def _generate(self, rid, ids, params, traceparent, group, last, tenant=""):
-        self.tenants.append(tenant)
-        self.groups.append(group)
-        self.lasts.append(last)
+    async def _generate(self, call):
+        self.calls.append(call)
         for out in self.outputs:
             yield self._ref(out)
         if self.error is not None:
@@ -64,7 +62,7 @@ class FakeHandle:
 
 def collect(client, rid="r1"):
     async def go():
-        return [o async for o in client.generate(rid, [1, 2], SamplingParams())]
+        return [o async for o in client.generate(EngineCall(rid, [1, 2], SamplingParams()))]
     return asyncio.run(go())
 
 
@@ -86,7 +84,7 @@ def test_closing_early_aborts_the_request():
     client = EngineClient(handle)
 
     async def go():
-        agen = client.generate("r9", [1], SamplingParams())
+        agen = client.generate(EngineCall("r9", [1], SamplingParams()))
         first = await agen.__anext__()
         await agen.aclose()
         await asyncio.sleep(0)  # the abort is fire-and-forget
@@ -106,8 +104,19 @@ def test_generate_passes_the_admission_group_a_batchs_last_and_the_tenant_to_the
     handle = FakeHandle([RequestOutput("r1", [5], finished=True, finish_reason="length")])
 
     async def go(**kw):
-        return [o async for o in EngineClient(handle).generate("r1", [1], SamplingParams(), **kw)]
+        call = EngineCall("r1", [1], SamplingParams(), **kw)
+        return [o async for o in EngineClient(handle).generate(call)]
     assert [o.token_ids for o in asyncio.run(go(group="http-7"))] == [[5]]
-    asyncio.run(go(group="job", last=True, tenant="t" * 32))
-    assert handle.groups == ["http-7", "job"] and handle.lasts == [False, True]
-    assert handle.tenants == ["", "t" * 32]
+    asyncio.run(go(group="job", last=True, tenant="t" * 32, traceparent="tp"))
+    assert [(c.group, c.last, c.tenant, c.traceparent) for c in handle.calls] == [
+        ("http-7", False, "", None), ("job", True, "t" * 32, "tp")]
+
+
+def test_generate_still_takes_the_positional_form_the_bench_scripts_use():
+    handle = FakeHandle([RequestOutput("r1", [5], finished=True, finish_reason="length")])
+
+    async def go():
+        client = EngineClient(handle)
+        return [o async for o in client.generate("r1", [1, 2], SamplingParams(), last=True)]
+    assert [o.token_ids for o in asyncio.run(go())] == [[5]]
+    assert handle.calls == [EngineCall("r1", [1, 2], SamplingParams(), last=True)]

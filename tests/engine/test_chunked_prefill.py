@@ -22,6 +22,7 @@ from pipeline.engine.scheduler import Scheduler
 from pipeline.output.request_output import Completion
 from pipeline.params import SamplingParams
 from pipeline.protocol import (
+    EngineCall,
     NewRequest,
     ProtocolError,
     StepOutcome,
@@ -173,7 +174,7 @@ def test_aborting_a_request_mid_prefill_frees_everything_and_others_finish(refer
 
     async def main():
         core.start()
-        stream = await core.add_request("long", long, SamplingParams(max_new_tokens=5))
+        stream = await core.add_request(EngineCall("long", long, SamplingParams(max_new_tokens=5)))
         while not any("long" in p.prefills for p in plans):  # its second chunk is planned
             await asyncio.sleep(0.001)
         assert core.scheduler.running["long"].prefilling
@@ -204,7 +205,7 @@ def test_eight_long_prompts_arriving_while_streams_run_all_complete_without_a_st
               SamplingParams(max_new_tokens=1, ignore_eos=True)) for i in range(8)]
 
     async def one(rid, prompt, params) -> Completion:
-        stream = await core.add_request(rid, prompt, params)
+        stream = await core.add_request(EngineCall(rid, prompt, params))
         return Completion.fold([d async for d in stream])
 
     async def main():
@@ -265,7 +266,7 @@ def test_every_plan_fits_the_budget_and_every_prompt_token_is_prefilled_once(wor
     budget, k, reqs, arrivals, rng = work
     sched = Scheduler(num_slots=4, max_waiting=64, max_model_len=256,
                       num_speculative_tokens=k, vocab_size=300, num_blocks=blocks,
-                      block_size=8, max_tokens=budget)
+                      block_size=8, token_budget=budget)
     held: dict[str, int] = {}  # what the stage's KV holds of the current prefill
     length: dict[str, int] = {}
     done: set[str] = set()  # prefill finished (the last chunk ran)
@@ -274,8 +275,8 @@ def test_every_plan_fits_the_budget_and_every_prompt_token_is_prefilled_once(wor
     while len(finished) < len(reqs):
         for i, (n, out) in enumerate(reqs):
             if arrivals[i] == step:
-                sched.enqueue(sched.prepare(f"r{i}", [5] * n, SamplingParams(
-                    max_new_tokens=out, ignore_eos=True)))
+                sched.enqueue(sched.prepare(EngineCall(f"r{i}", [5] * n, SamplingParams(
+                    max_new_tokens=out, ignore_eos=True))))
         step += 1
         assert step < 5000, "no progress"
         plan = sched.schedule()
@@ -316,9 +317,9 @@ def test_every_plan_fits_the_budget_and_every_prompt_token_is_prefilled_once(wor
 
 def test_verify_rows_alone_over_the_budget_have_their_drafts_cut_to_fit():
     sched = Scheduler(num_slots=4, max_waiting=8, max_model_len=256, num_speculative_tokens=4,
-                      vocab_size=300, max_tokens=7)
+                      vocab_size=300, token_budget=7)
     for i in range(3):
-        sched.enqueue(sched.prepare(f"r{i}", [5, 6], SamplingParams(max_new_tokens=50)))
+        sched.enqueue(sched.prepare(EngineCall(f"r{i}", [5, 6], SamplingParams(max_new_tokens=50))))
     plan = sched.schedule()
     assert [len(n.prompt_ids) for n in plan.new] == [2, 2, 2] and plan.num_tokens == 6
     sched.apply(StepOutcome(plan.step, plan.rids, [[9]] * 3, [0] * 3, cached=[0] * 3))
@@ -331,14 +332,14 @@ def test_waiting_prompts_get_at_least_half_the_budget_from_drafting_streams():
     """16 streams at k 4 would fill a 64-token budget with verify rows; a newcomer waits, so
     their drafts shrink to leave it half the budget (each stream keeps its own token)."""
     sched = Scheduler(num_slots=17, max_waiting=32, max_model_len=256, num_speculative_tokens=4,
-                      vocab_size=300, max_tokens=64)
+                      vocab_size=300, token_budget=64)
     for i in range(16):
-        sched.enqueue(sched.prepare(f"r{i}", [5, 6], SamplingParams(max_new_tokens=50)))
+        sched.enqueue(sched.prepare(EngineCall(f"r{i}", [5, 6], SamplingParams(max_new_tokens=50))))
     plan = sched.schedule()
     sched.apply(StepOutcome(plan.step, plan.rids, [[9]] * 16, [0] * 16, cached=[0] * 16))
     assert sched.schedule().num_tokens == 64  # nobody waits: verify rows take the budget
     sched.apply(StepOutcome(1, [f"r{i}" for i in range(16)], [[9]] * 16, [0] * 16))
-    sched.enqueue(sched.prepare("late", [7] * 100, SamplingParams(max_new_tokens=5)))
+    sched.enqueue(sched.prepare(EngineCall("late", [7] * 100, SamplingParams(max_new_tokens=5))))
     plan = sched.schedule()
     assert len(plan.decode) == 16 and sum(1 + c for c in plan.caps) == 32
     assert [(n.rid, n.chunk) for n in plan.new] == [("late", 32)]

@@ -16,6 +16,7 @@ from pipeline.engine.core import EngineCore
 from pipeline.engine.local import LocalStages, build_local_engine, collect
 from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.params import SamplingParams
+from pipeline.protocol import EngineCall
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -112,7 +113,7 @@ def test_finishes_inside_one_window_end_exactly_and_emit_nothing_after(overlap, 
         core.start()
 
         async def one(rid, prompt, params):
-            deltas[rid] = [d async for d in await core.add_request(rid, prompt, params)]
+            deltas[rid] = [d async for d in await core.add_request(EngineCall(rid, prompt, params))]
 
         await asyncio.gather(*(one(*r) for r in requests))
         await asyncio.sleep(0.05)  # let a late (overlapped) step drain
@@ -146,9 +147,10 @@ def test_abort_running_request_frees_slots():
 
     async def main():
         core.start()
-        stream = await core.add_request("a", PROMPTS[0], SamplingParams(max_new_tokens=200,
-                                                                   ignore_eos=True))
-        other = await core.add_request("b", PROMPTS[1], SamplingParams(max_new_tokens=5))
+        stream = await core.add_request(EngineCall("a", PROMPTS[0], SamplingParams(
+            max_new_tokens=200, ignore_eos=True)))
+        other = await core.add_request(EngineCall("b", PROMPTS[1],
+                                                  SamplingParams(max_new_tokens=5)))
         got = []
         async for d in stream:
             got.append(d)
@@ -300,10 +302,10 @@ def test_full_queue_raises_overloaded_before_queueing():
     core = build_local_engine(load_config(CONFIG, {"max_waiting": 2}))
 
     async def main():
-        await core.add_request("a", [5], SamplingParams())
-        await core.add_request("b", [5], SamplingParams())
+        await core.add_request(EngineCall("a", [5], SamplingParams()))
+        await core.add_request(EngineCall("b", [5], SamplingParams()))
         with pytest.raises(EngineOverloadedError):
-            await core.add_request("c", [5], SamplingParams())
+            await core.add_request(EngineCall("c", [5], SamplingParams()))
         return core.scheduler.waiting
 
     assert [r.rid for r in asyncio.run(main())] == ["a", "b"]
@@ -333,8 +335,8 @@ def test_stage_failure_or_timeout_fails_requests_and_marks_unhealthy(mode):
 
     async def main():
         core.start()
-        streams = [await core.add_request(f"r{i}", PROMPTS[i], SamplingParams(
-            max_new_tokens=50, ignore_eos=True)) for i in range(3)]
+        streams = [await core.add_request(EngineCall(f"r{i}", PROMPTS[i], SamplingParams(
+            max_new_tokens=50, ignore_eos=True))) for i in range(3)]
         t0 = time.monotonic()
         errors = []
         for s in streams:
@@ -344,7 +346,7 @@ def test_stage_failure_or_timeout_fails_requests_and_marks_unhealthy(mode):
             errors.append(str(e.value))
         elapsed = time.monotonic() - t0
         with pytest.raises(EngineDeadError):
-            await core.add_request("late", [5], SamplingParams())
+            await core.add_request(EngineCall("late", [5], SamplingParams()))
         return errors, elapsed
 
     errors, elapsed = asyncio.run(main())
@@ -391,8 +393,10 @@ def test_request_refused_by_the_output_stage_fails_alone_before_queueing():
     async def main():
         core.start()
         with pytest.raises(ValueError, match="grammar"):
-            await core.add_request("bad", PROMPTS[0], SamplingParams(grammar=broken_grammar))
-        stream = await core.add_request("bad", PROMPTS[0], SamplingParams(max_new_tokens=4))
+            await core.add_request(EngineCall("bad", PROMPTS[0],
+                                              SamplingParams(grammar=broken_grammar)))
+        stream = await core.add_request(EngineCall("bad", PROMPTS[0],
+                                                   SamplingParams(max_new_tokens=4)))
         return [d async for d in stream], core.health()
 
     deltas, health = asyncio.run(main())
@@ -417,13 +421,14 @@ def test_abort_while_the_output_stage_registers_never_queues_the_request():
     async def main():
         core.start()
         adding = asyncio.ensure_future(
-            core.add_request("gone", PROMPTS[0], SamplingParams(max_new_tokens=8)))
+            core.add_request(EngineCall("gone", PROMPTS[0], SamplingParams(max_new_tokens=8))))
         await asyncio.sleep(0)  # add_request is now waiting on the output stage
         await core.abort("gone")
         gate.set()
         deltas = [d async for d in await adding]
         stages.add_request = register
-        stream = await core.add_request("next", PROMPTS[1], SamplingParams(max_new_tokens=4))
+        stream = await core.add_request(EngineCall("next", PROMPTS[1],
+                                                   SamplingParams(max_new_tokens=4)))
         return deltas, [d async for d in stream]
 
     gone, after = asyncio.run(main())
@@ -444,8 +449,8 @@ def test_a_hang_after_fast_steps_is_declared_at_the_adaptive_bound_not_the_ceili
 
     async def main():
         core.start()
-        stream = await core.add_request("r", PROMPTS[0], SamplingParams(
-            max_new_tokens=240, ignore_eos=True))  # >= 48 steps of at most 5 tokens
+        stream = await core.add_request(EngineCall("r", PROMPTS[0], SamplingParams(
+            max_new_tokens=240, ignore_eos=True)))  # >= 48 steps of at most 5 tokens
         with pytest.raises(EngineDeadError, match="stalled") as e:
             async for _ in stream:
                 pass
@@ -487,8 +492,8 @@ def test_a_closed_loop_client_refills_a_finished_slot_at_the_next_step():
 
         async def one(rid: str) -> None:
             async with gate:
-                stream = await core.add_request(rid, PROMPTS[0], SamplingParams(
-                    max_new_tokens=lengths[rid], ignore_eos=True))
+                stream = await core.add_request(EngineCall(rid, PROMPTS[0], SamplingParams(
+                    max_new_tokens=lengths[rid], ignore_eos=True)))
                 async for _ in stream:
                     pass
 
@@ -530,7 +535,7 @@ def test_a_request_id_reused_right_after_a_stop_gets_none_of_the_old_requests_to
         outs = []
         for params in (SamplingParams(max_new_tokens=40, stop_token_ids=[ref[stop]]),
                        SamplingParams(max_new_tokens=6, ignore_eos=True)):
-            stream = await core.add_request("same", PROMPTS[6], params)
+            stream = await core.add_request(EngineCall("same", PROMPTS[6], params))
             outs.append([d async for d in stream])
         await core.idle()
         return outs
@@ -567,7 +572,8 @@ def test_fan_outs_filling_the_queue_never_refuse_a_single_small_request():
             streams = []
             try:
                 for rid in rids:
-                    streams.append(await core.add_request(rid, [5, 6, 7], fan, group=rids[0]))
+                    call = EngineCall(rid, [5, 6, 7], fan, group=rids[0])
+                    streams.append(await core.add_request(call))
             except EngineOverloadedError:
                 refusals["fan"] += 1
                 for rid in rids[: len(streams)]:
@@ -585,7 +591,7 @@ def test_fan_outs_filling_the_queue_never_refuse_a_single_small_request():
         for i in range(20):
             t0 = time.monotonic()
             try:
-                stream = await core.add_request(f"s{i}", [9, 10], small)
+                stream = await core.add_request(EngineCall(f"s{i}", [9, 10], small))
             except EngineOverloadedError:
                 refusals["small"] += 1
                 continue

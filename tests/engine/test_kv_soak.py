@@ -16,6 +16,7 @@ from pipeline.config import load_config
 from pipeline.engine.local import build_local_engine
 from pipeline.output.request_output import Completion
 from pipeline.params import SamplingParams
+from pipeline.protocol import EngineCall
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -40,7 +41,7 @@ async def _soak(core, n: int, seed: int = 0) -> dict[str, int]:
                                             for _ in range(rng.randrange(1, 24))]
             longest = 48 if i % 8 == 0 else 8  # a few long ones make the pool run out
             params = SamplingParams(max_new_tokens=rng.randrange(1, longest), ignore_eos=True)
-            stream = await core.add_request(f"s{i}", prompt, params)
+            stream = await core.add_request(EngineCall(f"s{i}", prompt, params))
             done = Completion.fold([d async for d in stream])
             assert done.last.finish_reason == "length"
             assert len(done.token_ids) == params.max_new_tokens

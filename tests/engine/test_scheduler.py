@@ -10,7 +10,7 @@ from pipeline.engine.scheduler import Scheduler
 from pipeline.engine.spec.policy import SpecController
 from pipeline.errors import EngineOverloadedError
 from pipeline.params import SamplingParams
-from pipeline.protocol import StepOutcome
+from pipeline.protocol import EngineCall, StepOutcome
 from pipeline.spec_settings import SpecSettings
 
 
@@ -22,7 +22,7 @@ def make(num_slots=2, max_waiting=3, max_model_len=32, k=4, reserved_slots=0) ->
 def add(s: Scheduler, rid: str, prompt_ids: list[int], params: SamplingParams,
         group: str | None = None) -> None:
     """Queue a request the way the engine does (validate, then enqueue)."""
-    s.enqueue(s.prepare(rid, prompt_ids, params, group))
+    s.enqueue(s.prepare(EngineCall(rid, prompt_ids, params, group=group)))
 
 
 def outcome(plan, tokens_per_rid):
@@ -213,7 +213,7 @@ def test_a_batch_drains_once_its_last_request_is_admitted_and_prefilled():
     p = SamplingParams(max_new_tokens=10)
     add(s, "a", [1], p)
     add(s, "b", [1], p)
-    s.enqueue(s.prepare("c", [1], p), last=True)  # the batch job's final request
+    s.enqueue(s.prepare(EngineCall("c", [1], p)), last=True)  # the batch job's final request
     s.apply(outcome(s.schedule(), {"a": [5], "b": [5]}))  # a, b prefill; c waits
     s.apply(outcome(s.schedule(), {"a": [5, 5], "b": [5]}))
     assert spy.remaining[-1] is None  # c still waits: its slot is wanted

@@ -17,6 +17,7 @@ from pipeline.config import load_config
 from pipeline.engine.local import LocalStages, build_local_engine
 from pipeline.models.runners import tiny_tokenizer
 from pipeline.params import SamplingParams
+from pipeline.protocol import EngineCall
 from pipeline.sampling import process_logits
 from pipeline.verify import acceptance
 
@@ -51,7 +52,7 @@ def run(overrides: dict, params: SamplingParams):
 
     async def go():
         core.start()
-        return [d async for d in await core.add_request("r", PROMPT, params)]
+        return [d async for d in await core.add_request(EngineCall("r", PROMPT, params))]
 
     return asyncio.run(go()), Recording.steps
 
@@ -110,7 +111,8 @@ def test_sampling_through_the_speculative_engine_keeps_the_target_distribution(m
             core.start()
             outs = []
             for i in range(0, n, 8):
-                streams = [await core.add_request(f"s{i + j}", PROMPT, params) for j in range(8)]
+                streams = [await core.add_request(EngineCall(f"s{i + j}", PROMPT, params))
+                           for j in range(8)]
                 for s in streams:
                     outs.append([t for d in [d async for d in s] for t in d.token_ids])
             await core.idle()

@@ -29,7 +29,7 @@ from pipeline.engine.local import build_local_engine
 from pipeline.frontend.app import ServerSettings, create_app
 from pipeline.ops.alerts import ALERTS
 from pipeline.ops.dashboard import queries
-from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.usefixtures("one_torch_thread")]
@@ -51,12 +51,9 @@ class InProcessEngine:
             self.core.start()
             self.started = True
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       traceparent: str | None = None, group: str | None = None,
-                       last: bool = False, tenant: str = "") -> Any:
+    async def generate(self, call: EngineCall) -> Any:
         self._start()
-        stream = await self.core.add_request(rid, list(prompt_ids), params, traceparent, group,
-                                             tenant=tenant)
+        stream = await self.core.add_request(call)
         async for delta in stream:
             yield delta
 

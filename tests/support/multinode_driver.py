@@ -27,6 +27,7 @@ from actors.engine_client import EngineClient
 from pipeline.config import load_config
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 from support.reference_decode import greedy_reference
 
 PROMPTS = [[1, 5, 9, 14, 3], [1, 40, 41, 42], [1, 7, 7, 7, 7, 7, 30], [1, 99, 12]]
@@ -47,7 +48,7 @@ def emit(**event: Any) -> None:
 async def collect(client: EngineClient, rid: str, prompt: list[int], params: SamplingParams,
                   traceparent: str | None = None) -> list[int]:
     out: list[int] = []
-    async for delta in client.generate(rid, prompt, params, traceparent=traceparent):
+    async for delta in client.generate(EngineCall(rid, prompt, params, traceparent)):
         out.extend(delta.token_ids)
     return out
 
@@ -118,7 +119,7 @@ async def main(address: str, trace_dir: str, raylet_b: int) -> dict[str, Any]:
         async def in_flight(rid: str, prompt: list[int]) -> dict[str, Any]:
             got = 0
             try:
-                async for delta in client.generate(rid, prompt, long):
+                async for delta in client.generate(EngineCall(rid, prompt, long)):
                     got += len(delta.token_ids)
                     started.set()
                     await asyncio.sleep(0.05)  # keep the request in flight past the kill

@@ -19,6 +19,7 @@ import httpx
 from pipeline.errors import EngineOverloadedError
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 EOS = 3
 SCRIPT = "Hello world! This is the fake engine speaking. "
@@ -75,15 +76,14 @@ class FakeEngine:
             ids = ids[: self.eos_after] + [EOS] + ids[self.eos_after:]
         return ids
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       traceparent: str | None = None, group: str | None = None,
-                       last: bool = False, tenant: str = "") -> AsyncIterator[RequestOutput]:
+    async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
         if len(self.running) >= self.num_slots + self.max_waiting:
             raise EngineOverloadedError(f"queue full ({len(self.running)} requests)")
-        self.requests[rid], self.prompts[rid] = params, list(prompt_ids)
-        self.groups[rid] = group
-        self.tenants[rid] = tenant
-        if last:
+        rid, params = call.rid, call.params
+        self.requests[rid], self.prompts[rid] = params, list(call.prompt_ids)
+        self.groups[rid] = call.group
+        self.tenants[rid] = call.tenant
+        if call.last:
             self.lasts.append(rid)
         self.running.add(rid)
         try:
