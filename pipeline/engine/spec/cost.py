@@ -36,14 +36,15 @@ class CostModel:
     prior_slopes: tuple[float, float, float] | None = None
     _xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(4))
-    _coef: np.ndarray | None = None
+    _fitted: np.ndarray | None = None
+    _stale: bool = False  # observed since the last fit
     _prior_xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))  # the prior's
     _prior_xy: np.ndarray = field(default_factory=lambda: np.zeros(4))  # share of _xx, _xy
     _prior_left: float = 0.0  # one prior point's weight, decayed like the observations
     _verified: float = 0.0  # decayed verify rows beyond the batch, in batches
 
     def observe(self, rows: int, longest: int, seconds: float, verified: float = 0.0) -> None:
-        if self._coef is None:  # the scale: a prior from the first observation
+        if not self.known:  # the scale: a prior from the first observation
             if self.prior_slopes is None:
                 base = seconds / (1.0 + 0.1 * rows)
                 per_row, per_draft, per_verify = 0.1 * base, 0.0, 0.0
@@ -70,7 +71,16 @@ class CostModel:
             self._prior_xx *= 0.1
             self._prior_xy *= 0.1
             self._prior_left *= 0.1
-        self._coef = self._fit()
+        self._stale = True
+
+    @property
+    def _coef(self) -> np.ndarray | None:
+        """The fit, refitted on first use after an observation (a plan reads it once a step at
+        most; an engine that never plans drafts never pays for the least squares)."""
+        if self._stale:
+            self._fitted = self._fit()
+            self._stale = False
+        return self._fitted
 
     def _fit(self) -> np.ndarray:
         """Least squares with costs never negative: a slope the fit wants below 0 is left out
@@ -96,7 +106,7 @@ class CostModel:
 
     @property
     def known(self) -> bool:
-        return self._coef is not None
+        return self._stale or self._fitted is not None
 
     @property
     def rows_measured(self) -> bool:
