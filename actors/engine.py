@@ -21,6 +21,7 @@ import ray
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
 from pipeline.engine.model_info import model_info
+from pipeline.engine.relay import OutputChannel, RelayMessage
 from pipeline.engine.stage_resources import (
     engine_needs,
     live_stage_groups,
@@ -188,6 +189,7 @@ class Engine:
         self._rebuilding: asyncio.Task | None = None
         self.build_phase = ""  # what a (re)build waits for, shown in health() while rebuilding
         self._loop: asyncio.AbstractEventLoop | None = None  # the step loop's (default group)
+        self._channels: dict[str, OutputChannel] = {}  # client relays (submit, outputs)
 
     async def start(self) -> dict[str, Any]:
         setup_tracing("specrelay-engine", self.config.tracing)  # config, else OTEL_* environment
@@ -235,34 +237,48 @@ class Engine:
         finally:
             self._rebuilding = None
 
-    async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
-        """The request's deltas (EngineCore.add_request); a caller that stops reading early
-        aborts it."""
+    async def submit(self, call: EngineCall, channel: str) -> None:
+        """Queue a request (EngineCore.add_request) whose deltas go out on `channel`'s stream
+        (`outputs`); raises what add_request raises, and nothing is queued then."""
         core = self._core()
-        rid = call.rid
+        out = self._channels.setdefault(channel, OutputChannel())
         # The engine's part of the request's trace (a sibling of the output actor's spec.request).
         span = self.tracer.start_span("spec.engine.request", context=context_from_traceparent(
-            call.traceparent), attributes={"request.id": rid,
+            call.traceparent), attributes={"request.id": call.rid,
                                            "request.prompt_tokens": len(call.prompt_ids)})
-        finished = False
-        stream = None
+
+        def sink(rid: str, item: RequestOutput | BaseException) -> None:
+            if isinstance(item, RequestOutput) and item.cached_tokens is not None:
+                span.set_attribute("request.cached_tokens", item.cached_tokens)  # first delta
+            out.put(rid, item)
+            if isinstance(item, BaseException) or item.finished:
+                span.end()
+
+        out.add(call.rid)
         try:
-            try:
-                stream = await core.add_request(call)
-            except (ValueError, EngineOverloadedError, EngineDeadError):
-                raise  # refused (a refusal from the output actor arrives as a ValueError too)
-            except Exception as e:  # noqa: BLE001 - the output actor is gone: fail and rebuild
-                core.fail(EngineDeadError(f"output stage unavailable: {e}"))
-                raise EngineDeadError(f"output stage unavailable: {e}") from None
-            async for delta in stream:
-                finished = delta.finished
-                if delta.cached_tokens is not None:  # the first delta: what the cache served
-                    span.set_attribute("request.cached_tokens", delta.cached_tokens)
-                yield delta
-        finally:
+            await core.add_request(call, sink=sink)
+        except BaseException as e:
+            out.open.discard(call.rid)
             span.end()
-            if stream is not None and not finished:  # the caller went away: free its slots
-                asyncio.ensure_future(core.abort(rid))
+            if isinstance(e, (ValueError, EngineOverloadedError, EngineDeadError)) or \
+                    not isinstance(e, Exception):
+                raise  # refused (a refusal from the output actor arrives as a ValueError too)
+            # the output actor is gone: fail and rebuild
+            core.fail(EngineDeadError(f"output stage unavailable: {e}"))
+            raise EngineDeadError(f"output stage unavailable: {e}") from None
+
+    async def outputs(self, channel: str) -> AsyncIterator[RelayMessage]:
+        """The deltas of every request submitted on `channel`, as they come (pipeline.engine.relay):
+        one message per wake-up, whatever the batch. The reader going away aborts its requests."""
+        out = self._channels.setdefault(channel, OutputChannel())
+        try:
+            async for message in out.batches():
+                yield message
+        finally:
+            self._channels.pop(channel, None)
+            if self.core is not None:
+                for rid in list(out.open):
+                    asyncio.ensure_future(self.core.abort(rid))
 
     async def abort(self, rid: str) -> None:
         if self.core is not None:

@@ -8,9 +8,12 @@ actor that died (RayActorError) or an unreachable object becomes EngineDeadError
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pipeline.engine.relay import Demux, RelayMessage
 from pipeline.errors import EngineDeadError
 from pipeline.frontend.background import fire_and_forget
 from pipeline.output.request_output import RequestOutput
@@ -35,10 +38,22 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 class EngineClient:
-    """What the HTTP app needs from an engine; the same API as tests' fake engine."""
+    """What the HTTP app needs from an engine; the same API as tests' fake engine.
+
+    Every request of this client (per event loop) shares one stream of deltas from the engine
+    (pipeline.engine.relay): a step's deltas for all of them cost one Ray message, not one per
+    request. `generate` submits the request and reads its own queue of that stream."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+        self._relay: _Relay | None = None
+
+    def _relay_here(self) -> _Relay:
+        loop = asyncio.get_running_loop()
+        relay = self._relay
+        if relay is None or relay.loop is not loop or relay.reader.done():
+            relay = self._relay = _Relay(self.handle, loop)
+        return relay
 
     async def generate(self, call: EngineCall | str, *legacy: Any,
                        **legacy_kw: Any) -> AsyncIterator[RequestOutput]:
@@ -46,23 +61,24 @@ class EngineClient:
         (`legacy`: the positional form scripts/bench_*.py still use, `as_engine_call`.)"""
         call = as_engine_call(call, *legacy, **legacy_kw)
         rid = call.rid
-        gen = self.handle.generate.remote(call)
+        relay = self._relay_here()
+        queue = relay.demux.open(rid)
         finished = False
         try:
-            async for ref in gen:
-                try:
-                    out: RequestOutput = await ref
-                except Exception as e:  # noqa: BLE001 - re-raised as the engine's own error
-                    raise unwrap(e) from None
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - errors raised while advancing the generator
-            raise unwrap(e) from None
+            try:
+                await self.handle.submit.remote(call, relay.channel)
+            except Exception as e:  # noqa: BLE001 - re-raised as the engine's own error
+                finished = True  # refused: nothing to abort
+                raise unwrap(e) from None
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # ended by the engine
+                    raise item
+                finished = item.finished
+                yield item
         finally:
+            relay.demux.close(rid)
             if not finished:
                 # Closed early (client gone, timeout, error): free the request's slots.
                 fire_and_forget(self.abort(rid))
@@ -88,3 +104,38 @@ class EngineClient:
             return await getattr(self.handle, method).remote()
         except Exception as e:  # noqa: BLE001
             raise unwrap(e) from None
+
+
+class _Relay:
+    """One stream of the engine's `outputs(channel)`, demultiplexed into requests' queues, read
+    by a task of the event loop it was made on."""
+
+    def __init__(self, handle: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.handle = handle
+        self.loop = loop
+        self.channel = uuid.uuid4().hex
+        self.demux = Demux()
+        self.reader = loop.create_task(self._read())
+
+    async def _read(self) -> None:
+        stream = self.handle.outputs.remote(self.channel)
+        try:
+            async for ref in stream:
+                self.demux.deliver(RelayMessage(*await ref))
+            error: BaseException = EngineDeadError("the engine's output stream ended")
+        except asyncio.CancelledError:
+            # this loop is closing (asyncio.run ended): end the engine's side too, which
+            # drops the channel and aborts what is left of its requests
+            with contextlib.suppress(Exception):
+                _cancel(stream)
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine actor is gone
+            error = unwrap(e)
+        self.demux.fail_all(error)
+
+
+def _cancel(stream: Any) -> None:
+    import ray
+
+    if isinstance(stream, ray.ObjectRefGenerator):  # not a test's stand-in
+        ray.cancel(stream)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from pipeline.config import EngineConfig
@@ -50,14 +50,22 @@ class Stages(Protocol):
 
 
 class RequestStream:
-    """The deltas of one request, in order; ends after the finished delta or raises an error."""
+    """The deltas of one request, in order; ends after the finished delta or raises an error.
+    With a `sink` (a relay's OutputChannel.put) every item goes there instead, and the stream
+    is not iterated."""
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str,
+                 sink: Callable[[str, RequestOutput | BaseException], None] | None = None
+                 ) -> None:
         self.rid = rid
+        self._sink = sink
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if self._sink is not None:
+            self._sink(self.rid, item)
+        else:
+            self._queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while True:
@@ -103,10 +111,12 @@ class EngineCore:
 
     # --- requests ---------------------------------------------------------------------------
     async def add_request(self, call: EngineCall | str, *legacy: Any,
+                          sink: Callable[[str, RequestOutput | BaseException], None] | None = None,
                           **legacy_kw: Any) -> RequestStream:
         """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
         (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then.
-        (`legacy`: the positional form scripts/bench_*.py still use, `as_engine_call`.)
+        (`legacy`: the positional form scripts/bench_*.py still use, `as_engine_call`; `sink`:
+        see RequestStream.)
         An id whose previous request has finished is reusable once that request's slots are
         freed (the next step): until then this waits, since the step after a stop was planned
         with the stopped request, and its tokens would reach the new one under the same id."""
@@ -121,7 +131,7 @@ class EngineCore:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         req = self.scheduler.prepare(call)
-        stream = self._streams[rid] = RequestStream(rid)  # reserves the id across the await
+        stream = self._streams[rid] = RequestStream(rid, sink)  # reserves the id across the await
         registered = False
         try:
             await self.stages.add_request(NewRequest(rid, req.prompt_ids, req.params, req.tenant),

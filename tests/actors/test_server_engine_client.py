@@ -8,7 +8,9 @@ import pytest
 import ray.exceptions as rex
 
 from actors.engine_client import EngineClient, unwrap
+from pipeline.engine.relay import RelayMessage
 from pipeline.errors import EngineDeadError, EngineOverloadedError
+from pipeline.output.delta_codec import encode_deltas
 from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.protocol.engine_call import EngineCall
@@ -32,25 +34,39 @@ class _Method:
 
 
 class FakeHandle:
-    """Mimics an actor handle: generate.remote returns an async iterator of awaitable refs."""
+    """Mimics an Engine actor handle: `submit.remote(call, channel)` is awaitable (raising the
+    refusal `error`), `outputs.remote(channel)` an async iterator of awaitable refs of relay
+    messages: `outputs` one message each, for the submitted request."""
 
     def __init__(self, outputs, error=None):
-        self.outputs, self.error, self.aborted, self.calls = outputs, error, [], []
-        self.generate = _Method(self._generate)
+        self.outputs_, self.error, self.aborted, self.calls = outputs, error, [], []
+        self.submit = _Method(self._submit)
+        self.outputs = _Method(self._outputs)
         self.abort = _Method(self._abort)
         self.health = _Method(self._dead)
+        self._pending: list = []
+        self._wake = asyncio.Event()
 
     async def _ref(self, value):
         if isinstance(value, BaseException):
             raise value
         return value
 
-    async def _generate(self, call):
+    async def _submit(self, call, channel):
         self.calls.append(call)
-        for out in self.outputs:
-            yield self._ref(out)
         if self.error is not None:
-            yield self._ref(self.error)
+            raise self.error
+        for out in self.outputs_:
+            out.rid = call.rid
+            self._pending.append(RelayMessage(encode_deltas([out]), []))
+        self._wake.set()
+
+    async def _outputs(self, channel):
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                yield self._ref(self._pending.pop(0))
 
     def _abort(self, rid):
         self.aborted.append(rid)

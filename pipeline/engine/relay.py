@@ -1,0 +1,102 @@
+"""The relay of deltas from an engine to one client (an engine replica, a batch job, a benchmark):
+every request of that client shares one stream, so a step's deltas cost the hop about one
+message, whatever the batch.
+
+Engine side, `OutputChannel` gathers the deltas (and error ends) of the client's requests as
+the step loop delivers them; `batches()` hands over everything that arrived while the last
+message was on its way, as one `RelayMessage`: the deltas as one pipeline.output.delta_codec
+message, then the requests that ended with an error. Client side, `Demux` routes a message's
+items to each request's queue, in order. A request's error always comes after its deltas (a
+request ends at its error: nothing of it follows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+from pipeline.errors import EngineDeadError
+from pipeline.output.delta_codec import decode_deltas, encode_deltas
+from pipeline.output.request_output import RequestOutput
+
+
+class RelayMessage(NamedTuple):
+    deltas: bytes  # pipeline.output.delta_codec
+    errors: list[tuple[str, str]]  # (rid, EngineDeadError's message): the engine's only error
+
+
+class OutputChannel:
+    """The deltas and error ends of one client's requests, waiting for the relay."""
+
+    def __init__(self) -> None:
+        self.open: set[str] = set()  # requests not yet finished or failed
+        self._deltas: list[RequestOutput] = []
+        self._errors: list[tuple[str, str]] = []
+        self._arrived = asyncio.Event()
+
+    def add(self, rid: str) -> None:
+        self.open.add(rid)
+
+    def put(self, rid: str, item: RequestOutput | BaseException) -> None:
+        """A request's next delta, or the error that ends it (an EngineDeadError)."""
+        if isinstance(item, BaseException):
+            self._errors.append((rid, str(item)))
+            self.open.discard(rid)
+        else:
+            self._deltas.append(item)
+            if item.finished:
+                self.open.discard(rid)
+        self._arrived.set()
+
+    def take(self) -> RelayMessage | None:
+        """Everything that arrived since the last take, as one message (None: nothing)."""
+        self._arrived.clear()
+        if not self._deltas and not self._errors:
+            return None
+        deltas, errors = self._deltas, self._errors
+        self._deltas, self._errors = [], []
+        return RelayMessage(encode_deltas(deltas), errors)
+
+    async def batches(self) -> AsyncIterator[RelayMessage]:
+        """What arrived since the last message, one message at a time, forever."""
+        while True:
+            await self._arrived.wait()
+            message = self.take()
+            if message is not None:
+                yield message
+
+
+class Demux:
+    """Client side: each open request's deltas, in order, in a queue of its own."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+
+    def open(self, rid: str) -> asyncio.Queue[RequestOutput | BaseException]:
+        """Before the request is submitted: its first deltas may come before the answer."""
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in use")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[rid] = queue
+        return queue
+
+    def close(self, rid: str) -> None:
+        self._queues.pop(rid, None)
+
+    def deliver(self, message: RelayMessage) -> None:
+        """Route a message; items of requests no longer open (closed early) are dropped."""
+        deltas, errors = message
+        for delta in decode_deltas(deltas) if deltas else ():
+            queue = self._queues.get(delta.rid)
+            if queue is not None:
+                queue.put_nowait(delta)
+        for rid, reason in errors:
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(EngineDeadError(reason))
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The stream itself failed (the engine is gone): every open request ends with `exc`."""
+        for queue in self._queues.values():
+            queue.put_nowait(exc)
