@@ -129,8 +129,9 @@ class RayStages:
     Every stage call is submitted as the engine's own call, never as a child of the request
     being served (see `_call`)."""
 
-    def __init__(self, actors: StageActors) -> None:
+    def __init__(self, actors: StageActors, drafting: bool = True) -> None:
         self.actors = actors
+        self.drafting = drafting  # `draft: none`: no draft call, the verifier gets no proposal
         self._context = contextvars.copy_context()  # the engine's build, not a request's task
 
     def _call(self, method: Any, *args: Any) -> Any:
@@ -147,7 +148,7 @@ class RayStages:
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
         plan_ref = ray.put(encode_plan(plan))  # encoded once for the draft and every rank
-        proposal = self._call(self.actors.draft.propose, plan_ref)
+        proposal = self._call(self.actors.draft.propose, plan_ref) if self.drafting else None
         calls = [self._call(v.verify.options(num_returns=2), plan_ref, proposal)
                  for v in self.actors.verifiers]
         # Await every rank: a dead rank surfaces as its own error, not as rank 0 hanging.
@@ -205,7 +206,7 @@ class Engine:
         group = stage_group_name(self.actor_id, self.builds)
         self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
         self.build_phase = ""
-        self.stages = RayStages(self.actors)
+        self.stages = RayStages(self.actors, drafting=self.config.draft != "none")
         # A rebuild keeps the step timings: the stall bound stays adapted (docs/reliability.md)
         stall = self.core.stall.carry_over() if self.core is not None else None
         core = EngineCore(self.config, self.stages, self.actors.info["vocab_size"], self.tracer,

@@ -1,0 +1,245 @@
+"""Streaming through HTTP, as a user of `specrelay serve` sees it: ms per token of one stream and
+total tok/s of N concurrent streams, on a config with no drafts by default (the step's transport
+and relay, not speculation).
+
+    .venv/bin/python scripts/bench_serve_stream.py [--config configs/tiny.yaml] [--set draft=none]
+        [--tokens 200] [--concurrency 8] [--reps 3] [--num-cpus 2] [--out bench-out/serve]
+
+It starts `specrelay serve` (a local Ray of `--num-cpus` CPUs) in a session of its own, streams
+`/v1/completions` with token-id prompts and `ignore_eos` (every request runs to `--tokens`), and
+per repetition runs one stream alone (ms per token after the first: the inter-token time) and
+`--concurrency` streams together (all tokens over the wall time), the two alternating. CPU is the
+server's whole process tree (Ray's processes and actors), per output token. Outputs are checked:
+with the null model (`--set model=null:0`) against its known sequence; with any model, each
+prompt's output must be the same in every repetition and at every concurrency (greedy). Writes
+`<out>/results.json` with the commit and whether the tree was dirty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import httpx
+import psutil
+import yaml
+
+from pipeline.config import parse_null_source
+from pipeline.models.null import next_token, null_config
+from pipeline.models.runners import tiny_tokenizer
+from scripts.tree_state import tree_state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """pid -> (name, CPU seconds) for `pid` and its descendants (Ray names its workers after the
+    actor: `ray::Engine`, `ray::ServeReplica:...`); gone processes are left out."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            name = " ".join(p.cmdline()[:1]) or p.name()
+            out[p.pid] = (name.split(" ")[0][:60], t.user + t.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+              ) -> dict[str, float]:
+    """CPU seconds spent between two `tree_cpu` readings, by process name."""
+    out: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        out[name] = out.get(name, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
+    return out
+
+
+async def stream(client: httpx.AsyncClient, base: str, prompt: list[int], tokens: int
+                 ) -> tuple[list[float], str]:
+    """Arrival times of each streamed chunk's tokens (one time per token) and the text."""
+    model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 0}
+    times: list[float] = []
+    text = []
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        buffer = ""
+        # split on "\n" only: aiter_lines also splits on U+0085 and U+2028, which a token's
+        # text may hold inside an event's JSON
+        async for chunk in r.aiter_text():
+            buffer += chunk
+            *lines, buffer = buffer.split("\n")
+            now = time.perf_counter()
+            for line in lines:
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                n = len((choice.get("logprobs") or {}).get("tokens") or [])
+                times.extend([now] * n)
+                text.append(choice.get("text", ""))
+    return times, "".join(text)
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    return [[(5 + 11 * i + j) % vocab for j in range(8)] for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny.yaml"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--num-cpus", type=int, default=2)
+    p.add_argument("--out", default=os.path.join("bench-out", "serve"))
+    args = p.parse_args(argv)
+    with open(args.config) as f:
+        config = yaml.safe_load(f)
+    config.update({"draft": "none", "max_model_len": args.tokens + 64})
+    config.update({k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)})
+    config["num_slots"] = max(int(config.get("num_slots", 8)), args.concurrency)
+    tmp = tempfile.mkdtemp(prefix="bench-serve-")
+    cfg_path = os.path.join(tmp, "config.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(config, f)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    log = open(os.path.join(tmp, "serve.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", "--config", cfg_path,
+                             "--port", str(port), "--num-cpus", str(args.num_cpus)], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    null_ms = parse_null_source(str(config.get("model", "")))
+    vocab = null_config().vocab_size
+    single, multi, cpu_per_tok = [], [], []
+    per_process: dict[tuple[str, str], list[float]] = {}
+    outputs: dict[int, set[str]] = {}
+    bad = 0
+    try:
+        asyncio.run(wait_healthy(base, proc))
+        ps = prompts(args.concurrency, vocab)
+
+        async def run() -> None:
+            nonlocal bad
+            async with httpx.AsyncClient(timeout=600) as client:
+                await stream(client, base, ps[0], 8)  # warm
+                for rep in range(args.reps):
+                    for part in (("one", "many") if rep % 2 == 0 else ("many", "one")):
+                        batch = ps[:1] if part == "one" else ps
+                        c0, t0 = tree_cpu(proc.pid), time.perf_counter()
+                        got = await asyncio.gather(*(stream(client, base, q, args.tokens)
+                                                     for q in batch))
+                        wall = time.perf_counter() - t0
+                        by_name = cpu_delta(c0, tree_cpu(proc.pid))
+                        cpu = sum(by_name.values())
+                        n = sum(len(t) for t, _ in got)
+                        for name, c in by_name.items():
+                            per_process.setdefault((part, name), []).append(c * 1e3 / n)
+                        bad += sum(len(t) != args.tokens for t, _ in got)
+                        for i, (_, text) in enumerate(got):
+                            outputs.setdefault(i, set()).add(text)
+                        if part == "one":
+                            times = got[0][0]
+                            single.append((times[-1] - times[0]) * 1e3 / (len(times) - 1))
+                        else:
+                            multi.append(n / wall)
+                        cpu_per_tok.append((part, cpu * 1e3 / n))
+
+        asyncio.run(run())
+    finally:
+        with_signal(proc, signal.SIGINT)
+        log.close()
+    bad += sum(len(texts) != 1 for texts in outputs.values())
+    if null_ms is not None:  # the null model's text is its known sequence, byte by byte
+        bad += int(outputs.get(0) != {expected_text(prompts(1, vocab)[0], args.tokens)})
+    result = {
+        "ms_per_token_one_stream": statistics.median(single),
+        "one_stream_spread": spread(single),
+        f"tok_s_{args.concurrency}_streams": statistics.median(multi),
+        "many_streams_spread": spread(multi),
+        "server_cpu_ms_per_token": {
+            part: statistics.median(c for q, c in cpu_per_tok if q == part)
+            for part in ("one", "many")},
+        "server_cpu_ms_per_token_by_process": {
+            f"{part}: {name}": statistics.median(v) for (part, name), v in
+            sorted(per_process.items()) if statistics.median(v) >= 0.05},
+        "bad_outputs": bad, "config": config, "args": vars(args), "tree": tree_state()}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("config", "args")}, indent=1))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return 1 if bad else 0
+
+
+def expected_text(prompt: list[int], tokens: int) -> str:
+    """The null model's output (its known successor chain) as the byte tokenizer writes it."""
+    cfg = null_config()
+    tok, out = prompt[-1], []
+    for _ in range(tokens):
+        tok = next_token(tok, cfg.vocab_size, cfg.eos_token_ids)
+        out.append(tok)
+    return tiny_tokenizer().decode(out, skip_special_tokens=True)
+
+
+def spread(xs: list[float]) -> float:
+    med = statistics.median(xs)
+    return (max(xs) - min(xs)) / med if med else 0.0
+
+
+async def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"specrelay serve exited with {proc.returncode}")
+            try:
+                if (await client.get(f"{base}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{base} not healthy after {timeout}s")
+
+
+def with_signal(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
