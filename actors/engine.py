@@ -21,7 +21,7 @@ import ray
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
 from pipeline.engine.model_info import model_info
-from pipeline.engine.relay import OutputChannel, RelayMessage
+from pipeline.engine.relay import OutputChannel, RelayMessage, request_sink
 from pipeline.engine.stage_resources import (
     engine_needs,
     live_stage_groups,
@@ -238,23 +238,18 @@ class Engine:
         finally:
             self._rebuilding = None
 
-    async def submit(self, call: EngineCall, channel: str) -> None:
+    async def submit(self, call: EngineCall, channel: str,
+                     ended: asyncio.Future | None = None) -> None:
         """Queue a request (EngineCore.add_request) whose deltas go out on `channel`'s stream
-        (`outputs`); raises what add_request raises, and nothing is queued then."""
+        (`outputs`); raises what add_request raises, and nothing is queued then. `ended` is set
+        once its last delta or its error went out."""
         core = self._core()
         out = self._channels.setdefault(channel, OutputChannel())
         # The engine's part of the request's trace (a sibling of the output actor's spec.request).
         span = self.tracer.start_span("spec.engine.request", context=context_from_traceparent(
             call.traceparent), attributes={"request.id": call.rid,
                                            "request.prompt_tokens": len(call.prompt_ids)})
-
-        def sink(rid: str, item: RequestOutput | BaseException) -> None:
-            if isinstance(item, RequestOutput) and item.cached_tokens is not None:
-                span.set_attribute("request.cached_tokens", item.cached_tokens)  # first delta
-            out.put(rid, item)
-            if isinstance(item, BaseException) or item.finished:
-                span.end()
-
+        sink = request_sink(out, span, ended)
         out.add(call.rid)
         try:
             await core.add_request(call, sink=sink)
@@ -264,9 +259,16 @@ class Engine:
             if isinstance(e, (ValueError, EngineOverloadedError, EngineDeadError)) or \
                     not isinstance(e, Exception):
                 raise  # refused (a refusal from the output actor arrives as a ValueError too)
-            # the output actor is gone: fail and rebuild
-            core.fail(EngineDeadError(f"output stage unavailable: {e}"))
+            core.fail(EngineDeadError(f"output stage unavailable: {e}"))  # gone: rebuild
             raise EngineDeadError(f"output stage unavailable: {e}") from None
+
+    async def run(self, call: EngineCall, channel: str) -> None:
+        """`submit`, then return once the request has ended: an engine replica's Serve call
+        lasts as long as its request (Serve counts it), while its deltas go to the ingress's
+        channel directly."""
+        ended = asyncio.get_running_loop().create_future()
+        await self.submit(call, channel, ended)
+        await ended
 
     async def outputs(self, channel: str) -> AsyncIterator[RelayMessage]:
         """The deltas of every request submitted on `channel`, as they come (pipeline.engine.relay):

@@ -46,13 +46,13 @@ class EngineClient:
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
-        self._relay: _Relay | None = None
+        self._relay: Relay | None = None
 
-    def _relay_here(self) -> _Relay:
+    def _relay_here(self) -> Relay:
         loop = asyncio.get_running_loop()
         relay = self._relay
         if relay is None or relay.loop is not loop or relay.reader.done():
-            relay = self._relay = _Relay(self.handle, loop)
+            relay = self._relay = Relay(self.handle, loop)
         return relay
 
     async def generate(self, call: EngineCall | str, *legacy: Any,
@@ -106,15 +106,18 @@ class EngineClient:
             raise unwrap(e) from None
 
 
-class _Relay:
-    """One stream of the engine's `outputs(channel)`, demultiplexed into requests' queues, read
-    by a task of the event loop it was made on."""
+class Relay:
+    """One stream of an Engine actor's `outputs(channel)` into `demux` (its requests' queues),
+    read by a task of the event loop it was made on. When the stream fails (the engine is gone)
+    the requests in `rids` end with the error (None: every request of the demux)."""
 
-    def __init__(self, handle: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, handle: Any, loop: asyncio.AbstractEventLoop, channel: str | None = None,
+                 demux: Demux | None = None, rids: set[str] | None = None) -> None:
         self.handle = handle
         self.loop = loop
-        self.channel = uuid.uuid4().hex
-        self.demux = Demux()
+        self.channel = channel or uuid.uuid4().hex
+        self.demux = demux or Demux()
+        self.rids = rids
         self.reader = loop.create_task(self._read())
 
     async def _read(self) -> None:
@@ -131,7 +134,7 @@ class _Relay:
             raise
         except Exception as e:  # noqa: BLE001 - the engine actor is gone
             error = unwrap(e)
-        self.demux.fail_all(error)
+        self.demux.fail(error, self.rids)
 
 
 def _cancel(stream: Any) -> None:

@@ -59,21 +59,28 @@ class EngineReplica:
         setup_tracing("specrelay-replica", config.tracing, register_global=False)
         context = serve.get_replica_context()
         self.replica = context.replica_tag
-        name = engine_actor_name(context.app_name, self.replica)
+        self.engine_name = name = engine_actor_name(context.app_name, self.replica)
         # start_engine blocks (model loads): keep the replica's loop free.
         self.engine = await asyncio.to_thread(start_engine, config, name)
         self.client = EngineClient(self.engine)
 
-    async def generate(self, call: EngineCall) -> AsyncIterator[bytes]:
-        """The request's deltas as msgpack delta messages (pipeline.output.delta_codec): each
-        carries every delta that arrived since the last one was sent (one, unless this replica is
-        busy), as each message costs both ends the same whatever it carries."""
+    async def generate(self, call: EngineCall, channel: str | None = None
+                       ) -> AsyncIterator[bytes | str]:
+        """With `channel` (the ingress's): the request goes to this replica's engine with its
+        deltas on that channel, straight to the ingress (pipeline.engine.relay); this stream
+        yields the engine's actor name, then ends when the request has (so Serve counts it
+        while it runs) or raises the engine's refusal.
+        Without: the request's deltas as msgpack delta messages (pipeline.output.delta_codec),
+        each with every delta that arrived since the last one was sent."""
         span = get_tracer().start_span(
             "spec.replica.request", context=context_from_traceparent(call.traceparent),
             attributes={"request.id": call.rid, "serve.replica": self.replica})
-        outs = self.client.generate(call)
         try:
-            async for batch in coalesce(outs):
+            if channel is not None:
+                yield self.engine_name
+                await self.engine.run.remote(call, channel)
+                return
+            async for batch in coalesce(self.client.generate(call)):
                 yield encode_deltas(batch)
         finally:
             span.end()

@@ -3,9 +3,11 @@ API as EngineClient (`generate`, `abort`, `stats`, `health`, `model_info`), so t
 (pipeline/frontend/app.py) does not know whether one engine or many serve it.
 
 - `generate` sends an EngineCall through the deployment handle: Serve's request router (prefix
-  affinity or power of two choices) picks the replica, which streams msgpack delta messages
-  back. Closing the stream early (client gone, timeout) cancels the handle call; Serve cancels
-  the replica's generator, which aborts the engine request there.
+  affinity or power of two choices) picks the replica, which names its Engine actor and queues
+  the request there with this ingress's channel; the deltas come back from the Engine actor on
+  one stream per engine for all of this ingress's requests (pipeline.engine.relay), and the
+  handle call ends with the request. Closing early (client gone, timeout) aborts the request in
+  its engine and cancels the handle call.
 - `stats` and `health` must reach every replica, not one the router picks: each replica names
   its Engine actor `specrelay-engine:<app>:<replica>`, and the directory finds them by name.
 """
@@ -13,15 +15,17 @@ API as EngineClient (`generate`, `abort`, `stats`, `health`, `model_info`), so t
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 
-from actors.engine_client import unwrap
+from actors.engine_client import EngineClient, Relay, unwrap
+from pipeline.engine.relay import Demux
 from pipeline.errors import EngineDeadError
+from pipeline.frontend.background import fire_and_forget
 from pipeline.frontend.replica_stats import merge_health, merge_stats
-from pipeline.output.delta_codec import decode_deltas
 from pipeline.output.request_output import RequestOutput
 from pipeline.protocol.engine_call import EngineCall
 
@@ -72,28 +76,67 @@ class ReplicaClient:
         self.stream = handle.options(stream=True)
         self.directory = directory
         self._streams: dict[str, Any] = {}  # rid -> its handle call (abort cancels it)
+        # deltas come straight from the engines: one channel (a stream per engine) and one
+        # demultiplexer for every request of this ingress
+        self._channel = uuid.uuid4().hex
+        self._demux = Demux()
+        self._relays: dict[str, Relay] = {}  # engine actor name -> its stream
         self._last_stats: dict[str, dict[str, Any]] = {}
 
     async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
+        """The request through the router to a replica, its deltas straight from that replica's
+        Engine actor on this ingress's channel (one stream per ingress and engine, whatever the
+        batch: pipeline.engine.relay). The handle call lasts as long as the request (Serve's
+        ongoing count, its queue limit and autoscaling see it) and carries its refusal."""
         rid = call.rid
-        response = self.stream.generate.remote(call)
+        queue = self._demux.open(rid)
+        response = self.stream.generate.remote(call, self._channel)
         self._streams[rid] = response
         finished = False
+        relay: Relay | None = None
+        watcher: asyncio.Future | None = None
         try:
-            async for payload in response:
-                for out in decode_deltas(payload):
-                    finished = out.finished
-                    yield out
-                if finished:
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the engine's own error, or the replica died
-            raise unwrap(e) from None
+            try:
+                name = await response.__anext__()
+                relay = await self._relay_to(name)
+            except StopAsyncIteration:
+                raise EngineDeadError("the engine replica ended the request unanswered") from None
+            except Exception as e:  # noqa: BLE001 - the engine's own error, or the replica died
+                raise unwrap(e) from None
+            relay.rids.add(rid)
+            if relay.reader.done():  # the engine's stream failed before this request joined it
+                raise EngineDeadError(f"engine {name} is gone")
+            watcher = asyncio.ensure_future(_watch(response, queue))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item  # (the abort below is a no-op if the engine ended it)
+                finished = item.finished
+                yield item
         finally:
+            self._demux.close(rid)
             self._streams.pop(rid, None)
-            if not finished:  # closed early: Serve cancels the replica's generator (abort)
+            if watcher is not None:
+                watcher.cancel()
+            if relay is not None:
+                relay.rids.discard(rid)
+            if not finished:  # closed early: end the request in its engine and the handle call
                 response.cancel()
+                if relay is not None:
+                    fire_and_forget(EngineClient(relay.handle).abort(rid))
+
+    async def _relay_to(self, engine_name: str) -> Relay:
+        """The stream of `engine_name`'s deltas for this ingress (made on first use, and again
+        after the engine's stream failed)."""
+        loop = asyncio.get_running_loop()
+        relay = self._relays.get(engine_name)
+        if relay is None or relay.reader.done() or relay.loop is not loop:
+            handle = (await self.directory.engines()).get(engine_name[len(self.directory.prefix):])
+            if handle is None:
+                raise EngineDeadError(f"engine {engine_name} is not running")
+            relay = self._relays[engine_name] = Relay(handle, loop, self._channel, self._demux,
+                                                      set())
+        return relay
 
     async def abort(self, rid: str) -> None:
         response = self._streams.get(rid)
@@ -143,3 +186,15 @@ class ReplicaClient:
 
         answers = await asyncio.gather(*(one(h) for h in engines.values()))
         return dict(zip(engines, answers))
+
+
+async def _watch(response: Any, queue: asyncio.Queue) -> None:
+    """The handle call's end: an error (a refusal, the replica gone) ends the request's queue;
+    a plain end says nothing (the finished delta comes on the engine's stream)."""
+    try:
+        async for _ in response:
+            pass
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - handed to the request's reader
+        queue.put_nowait(unwrap(e))

@@ -13,8 +13,8 @@ request ends at its error: nothing of it follows).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, NamedTuple
 
 from pipeline.errors import EngineDeadError
 from pipeline.output.delta_codec import decode_deltas, encode_deltas
@@ -67,6 +67,23 @@ class OutputChannel:
                 yield message
 
 
+def request_sink(channel: OutputChannel, span: Any, ended: asyncio.Future | None = None
+                 ) -> Callable[[str, RequestOutput | BaseException], None]:
+    """A request's sink (EngineCore.add_request): its items go to `channel`; its engine span
+    (`spec.engine.request`) gets the cached-token count of the first delta and ends with the
+    request, and so does `ended`."""
+    def sink(rid: str, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput) and item.cached_tokens is not None:
+            span.set_attribute("request.cached_tokens", item.cached_tokens)
+        channel.put(rid, item)
+        if isinstance(item, BaseException) or item.finished:
+            span.end()
+            if ended is not None and not ended.done():
+                ended.set_result(None)
+
+    return sink
+
+
 class Demux:
     """Client side: each open request's deltas, in order, in a queue of its own."""
 
@@ -96,7 +113,10 @@ class Demux:
             if queue is not None:
                 queue.put_nowait(EngineDeadError(reason))
 
-    def fail_all(self, exc: BaseException) -> None:
-        """The stream itself failed (the engine is gone): every open request ends with `exc`."""
-        for queue in self._queues.values():
-            queue.put_nowait(exc)
+    def fail(self, exc: BaseException, rids: Iterable[str] | None = None) -> None:
+        """A stream itself failed (its engine is gone): its open requests (`rids`; None: every
+        open one) end with `exc`."""
+        for rid in list(self._queues) if rids is None else list(rids):
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(exc)

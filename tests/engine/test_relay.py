@@ -74,14 +74,17 @@ def test_an_error_ends_its_request_after_its_deltas_and_closed_requests_are_drop
     assert still_open == {"gone"}
 
 
-def test_fail_all_ends_every_open_request():
+def test_fail_ends_the_open_requests_of_the_failed_stream_only():
     async def go():
         demux = Demux()
-        qs = [demux.open(r) for r in ("a", "b")]
-        demux.fail_all(EngineDeadError("engine actor unavailable"))
-        return [q.get_nowait() for q in qs]
+        qs = {r: demux.open(r) for r in ("a", "b", "c")}
+        demux.fail(EngineDeadError("engine actor unavailable"), ["a", "b", "closed"])
+        first = {r: q.qsize() for r, q in qs.items()}
+        demux.fail(EngineDeadError("all"))
+        return first, {r: q.qsize() for r, q in qs.items()}
 
-    assert all(isinstance(e, EngineDeadError) for e in asyncio.run(go()))
+    first, then = asyncio.run(go())
+    assert first == {"a": 1, "b": 1, "c": 0} and then == {"a": 2, "b": 2, "c": 1}
 
 
 def test_a_request_id_open_twice_is_refused():
