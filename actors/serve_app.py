@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import ray
@@ -248,10 +249,31 @@ def serve_main(argv: list[str]) -> int:
           f"(health: /health, metrics: /metrics){' with an API key' if args.api_key else ''}",
           flush=True)
     stop.wait()
+    if not init.get("address") and not local_ray_survived():
+        # A signal to the whole process group (systemd's default KillMode, `timeout`) ended the
+        # local Ray's GCS and raylet too: nothing is left to drain, and Serve's and Ray's
+        # shutdowns would wait a minute for the GCS. The actors went with their raylet.
+        print("specrelay: the local Ray was stopped with this process; exiting", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
     drain_app(args.drain_grace)
     serve.shutdown()
     ray.shutdown()
     return 0
+
+
+def local_ray_survived(settle_s: float = 1.0) -> bool:
+    """Whether this process's local Ray (GCS, raylet) is still running `settle_s` after the stop
+    signal (a signal sent to the process group reaches them at the same moment)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return True
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        if not node.remaining_processes_alive():
+            return False
+        time.sleep(0.1)
+    return node.remaining_processes_alive()
 
 
 def drain_app(grace_s: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import httpx
@@ -48,3 +49,16 @@ def test_specrelay_serve_replicas_flag_runs_two_engines_behind_one_ingress(tmp_p
                  if line.startswith("specrelay_engine_steps_total{")]
         assert len(steps) == 2 and sum(steps) >= 4
     assert run.rc == 0, run.log_path.read_text()[-3000:]
+
+
+def test_sigterm_to_the_whole_process_group_exits_promptly(tmp_path):
+    """systemd's default KillMode and `timeout` signal the whole group: the local Ray's GCS and
+    raylet die with the server, which then must not wait a minute for them."""
+    with serve_process(os.path.join(ROOT, "configs", "tiny.yaml"), tmp_path,
+                       {"RAY_AUTH_MODE": "token"}, ready_timeout=150) as run:
+        t0 = time.monotonic()
+        os.killpg(run.proc.pid, signal.SIGTERM)
+        rc = run.proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    assert rc == 0, run.log_path.read_text()[-3000:]
+    assert took < 15, (took, run.log_path.read_text()[-3000:])
