@@ -245,10 +245,12 @@ class EngineCore:
         # the outcome's rows: the prefills whose last chunk ran, then every verify
         new = len(outcome.rids) - len(plan.decode)
         self.stats.record(outcome, new)
-        # the adaptive k learns from the decodes only
-        self.scheduler.spec.observe(outcome.rids[new:], outcome.drafted[new:],
-                                    [len(t) for t in outcome.tokens[new:]], outcome.decode_s,
-                                    outcome.expected[new:] if outcome.expected else None)
+        # the adaptive k learns from the decodes only, and never from a step the draft stage
+        # missed (its rows asked for drafts that could not come: no sign of what would be kept)
+        if not outcome.undrafted:
+            self.scheduler.spec.observe(
+                outcome.rids[new:], outcome.drafted[new:], [len(t) for t in outcome.tokens[new:]],
+                outcome.decode_s, outcome.expected[new:] if outcome.expected else None)
         self.last_progress = time.time()
         if not outcome.rids:  # only prefill chunks that did not end their prompts
             return None
