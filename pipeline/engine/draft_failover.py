@@ -70,15 +70,20 @@ class DraftFailover:
         self.ledger = DraftLedger()
         self.live = True
         self.losses = 0  # draft stages lost so far
+        self.caught_up = 0  # requests registered with replacements by catch-up plans
         self._fresh = False  # the live stage is a replacement that has seen no plan yet
 
     def plans(self, plan: StepPlan) -> list[StepPlan]:
         """The plans to send the draft stage for `plan`'s step, in order ([] while it is lost:
         verify without a proposal); records `plan` in the ledger either way."""
         out: list[StepPlan] = []
-        if self.live:
-            out = [self.ledger.catch_up(plan.step), plan] if self._fresh else [plan]
-            self._fresh = False
+        if self.live and self._fresh:
+            up = self.ledger.catch_up(plan.step)
+            self.caught_up += len(up.new)
+            out = [up, plan]
+        elif self.live:
+            out = [plan]
+        self._fresh = False
         self.ledger.record(plan)
         return out
 
@@ -122,4 +127,5 @@ async def step_with_draft(plan: StepPlan, failover: DraftFailover,
 
 def describe(failover: DraftFailover) -> dict[str, Any]:
     """The failover's state for the engine's stats."""
-    return {"draft_live": failover.live, "draft_losses": failover.losses}
+    return {"draft_live": failover.live, "draft_losses": failover.losses,
+            "draft_caught_up": failover.caught_up}

@@ -167,6 +167,7 @@ def test_failover_sends_nothing_while_lost_then_a_catch_up_plan_once():
     p2 = _plan(2, commits={"a": [4]})
     up, same = failover.plans(p2)
     assert same is p2 and up.commits == {"a": [3]} and [n.rid for n in up.new] == ["a"]
+    assert failover.caught_up == 1
     p3 = _plan(3)
     assert failover.plans(p3) == [p3]
 
