@@ -9,7 +9,8 @@ the output processor (counted in its `dropped_steps`), and the slots are freed b
 Failure: any stage error or a stalled step (slower than the stall bound of pipeline.engine.stall:
 a multiple of the recent p99 step time, between `step_timeout_floor_s` and `step_timeout_s`) ends
 every in-flight request with EngineDeadError and marks the engine unhealthy; new requests are
-refused with the same error.
+refused with the same error. A lost draft stage is not a failure: the stages verify without
+drafts (pipeline.engine.draft_failover) and mark the outcome `undrafted`.
 """
 
 from __future__ import annotations
