@@ -239,6 +239,15 @@ def test_killed_draft_actor_costs_nothing_and_a_new_one_drafts_again(engines):
     after = asyncio.run(EngineClient(handle).stats())
     assert after["num_draft_tokens"] > stats["num_draft_tokens"] and after["restarts"] == 0
     assert ray.get(ray.get(handle.stage_actors.remote())["draft"].ping.remote())
+    # idle: the health check's ping finds the dead draft actor and replaces it, no rebuild
+    ray.kill(ray.get(handle.stage_actors.remote())["draft"], no_restart=True)
+    deadline = time.monotonic() + 60
+    while stats["draft_replacements"] < 2:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+        stats = asyncio.run(EngineClient(handle).stats())  # its health() pings the stages
+        assert stats["healthy"], stats
+    assert stats["restarts"] == 0 and stats["draft_losses"] == 2
 
 
 @pytest.mark.parametrize(("tp", "which"), [("tp2", "verifier")])
