@@ -1,9 +1,10 @@
 """Engine: an async Ray actor that runs pipeline.engine.core's step loop over actor stages.
 
 `start_engine(config)` creates it; it creates its stage actors (a DraftWorker, one TargetVerifier
-per TP rank in a placement group, an OutputActor). When a stage fails, in-flight requests end
-with EngineDeadError, the engine reports unhealthy, and it rebuilds its stage actors in the
-background; `health()` turns healthy again once the new ones are up.
+per TP rank in a placement group, an OutputActor). A dead draft actor costs nothing: steps go on
+without drafts while a new one starts (actors.draft_stage). When another stage fails, in-flight
+requests end with EngineDeadError, the engine reports unhealthy, and it rebuilds its stage actors
+in the background; `health()` turns healthy again once the new ones are up.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 
+from actors.draft_stage import RayDraft
+from actors.stage_actors import StageActors, create_stage_actors
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
+from pipeline.engine.draft_failover import step_with_draft
 from pipeline.engine.model_info import model_info
 from pipeline.engine.relay import OutputChannel, RelayMessage, request_sink
 from pipeline.engine.stage_resources import (
@@ -48,79 +52,6 @@ from pipeline.verify.ranks import check_rank_reports
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class StageActors:
-    draft: Any
-    verifiers: list[Any]
-    output: Any
-    placement_group: Any
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def all(self) -> list[Any]:
-        return [self.draft, *self.verifiers, self.output]
-
-    async def flush_telemetry(self, timeout_s: float = 5.0) -> None:
-        """Let the tracing stage (the output actor) export its spans before it is killed; one
-        that is gone or wedged is given up on after `timeout_s`."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.output.flush_telemetry.remote(timeout_s), timeout_s + 1)
-
-    def kill(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        for actor in self.all:
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(actor, no_restart=True)
-        with contextlib.suppress(Exception):  # already removed
-            remove_placement_group(self.placement_group)
-
-
-async def create_stage_actors(config: EngineConfig,
-                              report: Callable[[str], None] = lambda _: None,
-                              group_name: str = "") -> StageActors:
-    """Start the draft, verifier ranks (one bundle each of a placement group named `group_name`)
-    and output actors, placed as `config.placement` says. `report` hears what it is waiting for
-    (a placement group or an actor waits until the cluster has the resources, e.g. until a lost
-    node is back)."""
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    # lazy: the stage actors import torch; the engine actor and the Serve replica that import
-    # this module need only their classes, here
-    from actors.draft import DraftWorker
-    from actors.output import OutputActor
-    from actors.verifier import TargetVerifier
-
-    need = stage_resources(config)
-    pg = placement_group(need.verifier_bundles, strategy=need.verifier_strategy, name=group_name)
-    report(f"waiting for the verifier placement group ({need.verifier_strategy} "
-           f"{need.verifier_bundles})")
-    await pg.ready()
-    verifiers = [
-        ray.remote(TargetVerifier).options(
-            num_cpus=1, num_gpus=need.verifier_gpus, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=rank)).remote(config, rank)
-        for rank in range(config.tensor_parallel_size)
-    ]
-    draft = ray.remote(DraftWorker).options(
-        num_cpus=0, num_gpus=need.draft_gpus, max_restarts=0,
-        resources=need.draft_resources).remote(config)
-    output = ray.remote(OutputActor).options(
-        num_cpus=0, max_restarts=0, resources=need.output_resources).remote(config)
-    report(f"waiting for the stage actors (draft {need.draft_resources}, "
-           f"output {need.output_resources}) to start and load")
-    init = None
-    if config.tensor_parallel_size > 1:
-        init = await verifiers[0].rendezvous_address.remote()
-    loaded = await asyncio.gather(*(v.load.remote(init) for v in verifiers))
-    out_info = await output.info.remote()
-    await draft.ping.remote()
-    info = {**loaded[0], **out_info}
-    return StageActors(draft, verifiers, output, pg, info)
-
-
 class RayStages:
     """pipeline.engine.core.Stages over actor handles. Every message is pipeline.protocol's msgpack
     bytes; the proposal and the payload travel as object refs from actor to actor, and the engine
@@ -129,10 +60,11 @@ class RayStages:
     Every stage call is submitted as the engine's own call, never as a child of the request
     being served (see `_call`)."""
 
-    def __init__(self, actors: StageActors, drafting: bool = True) -> None:
+    def __init__(self, actors: StageActors, config: EngineConfig) -> None:
         self.actors = actors
-        self.drafting = drafting  # `draft: none`: no draft call, the verifier gets no proposal
+        self.drafting = config.draft != "none"  # else no draft call: the ranks get no proposal
         self._context = contextvars.copy_context()  # the engine's build, not a request's task
+        self.draft = RayDraft(config, actors, self._call)  # replaced when it dies
 
     def _call(self, method: Any, *args: Any) -> Any:
         """`method.remote(*args)` under the engine's context. Ray takes the calling task from
@@ -148,7 +80,15 @@ class RayStages:
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
         plan_ref = ray.put(encode_plan(plan))  # encoded once for the draft and every rank
-        proposal = self._call(self.actors.draft.propose, plan_ref) if self.drafting else None
+        if not self.drafting:
+            return await self._verify(plan_ref, None)
+        # a dead draft actor fails only its proposal: the ranks verify without one
+        return await step_with_draft(plan, self.draft.failover,
+                                     functools.partial(self.draft.propose, plan_ref=plan_ref),
+                                     functools.partial(self._verify, plan_ref), self.draft.died)
+
+    async def _verify(self, plan_ref: Any, proposal: Any) -> StepOutcome:
+        """Every rank verifies the plan (a failed proposal fails them before they run)."""
         calls = [self._call(v.verify.options(num_returns=2), plan_ref, proposal)
                  for v in self.actors.verifiers]
         # Await every rank: a dead rank surfaces as its own error, not as rank 0 hanging.
@@ -170,8 +110,11 @@ class RayStages:
         return await self._call(self.actors.output.dropped_steps)
 
     async def ping(self) -> None:
-        """Every stage actor answers (raises when one is gone)."""
-        await asyncio.gather(*(self._call(a.ping) for a in self.actors.all))
+        """Every verifier rank and the output actor answer (raises when one is gone); a dead
+        draft actor is replaced instead."""
+        await asyncio.gather(*(self._call(a.ping) for a in [*self.actors.verifiers,
+                                                            self.actors.output]),
+                             self.draft.ping())
 
 
 class Engine:
@@ -206,7 +149,7 @@ class Engine:
         group = stage_group_name(self.actor_id, self.builds)
         self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
         self.build_phase = ""
-        self.stages = RayStages(self.actors, drafting=self.config.draft != "none")
+        self.stages = RayStages(self.actors, self.config)
         # A rebuild keeps the step timings: the stall bound stays adapted (docs/reliability.md)
         stall = self.core.stall.carry_over() if self.core is not None else None
         core = EngineCore(self.config, self.stages, self.actors.info["vocab_size"], self.tracer,
@@ -293,6 +236,8 @@ class Engine:
         stats = await self.core.stats_dict()
         stats["healthy"] = (await self.health())["healthy"]
         stats["restarts"] = self.restarts
+        if self.stages is not None:
+            stats.update(self.stages.draft.stats())
         stats["stalls"] = stats.get("stalls", 0) + self.past_stalls  # a counter across rebuilds
         return stats
 

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -132,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    log = open(os.path.join(tmp, "serve.log"), "w")
+    log = open(os.path.join(tmp, "serve.log"), "w")  # noqa: SIM115 - the server outlives a block
     proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", "--config", cfg_path,
                              "--port", str(port), "--num-cpus", str(args.num_cpus)], cwd=ROOT,
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

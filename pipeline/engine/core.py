@@ -9,7 +9,8 @@ the output processor (counted in its `dropped_steps`), and the slots are freed b
 Failure: any stage error or a stalled step (slower than the stall bound of pipeline.engine.stall:
 a multiple of the recent p99 step time, between `step_timeout_floor_s` and `step_timeout_s`) ends
 every in-flight request with EngineDeadError and marks the engine unhealthy; new requests are
-refused with the same error.
+refused with the same error. A lost draft stage is not a failure: the stages verify without
+drafts (pipeline.engine.draft_failover) and mark the outcome `undrafted`.
 """
 
 from __future__ import annotations
@@ -255,10 +256,12 @@ class EngineCore:
         # the outcome's rows: the prefills whose last chunk ran, then every verify
         new = len(outcome.rids) - len(plan.decode)
         self.stats.record(outcome, new)
-        # the adaptive k learns from the decodes only
-        self.scheduler.spec.observe(outcome.rids[new:], outcome.drafted[new:],
-                                    [len(t) for t in outcome.tokens[new:]], outcome.decode_s,
-                                    outcome.expected[new:] if outcome.expected else None)
+        # the adaptive k learns from the decodes only, and never from a step the draft stage
+        # missed (its rows asked for drafts that could not come: no sign of what would be kept)
+        if not outcome.undrafted:
+            self.scheduler.spec.observe(
+                outcome.rids[new:], outcome.drafted[new:], [len(t) for t in outcome.tokens[new:]],
+                outcome.decode_s, outcome.expected[new:] if outcome.expected else None)
         self.last_progress = time.time()
         if not outcome.rids:  # only prefill chunks that did not end their prompts
             return None

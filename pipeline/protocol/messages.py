@@ -139,6 +139,9 @@ class StepOutcome:
     cached: list[int] = field(default_factory=list)
     # rank 0's KV digest after the step (pipeline.models.kv_cache.KVCache.digest); b"": none
     kv_digest: bytes = b""
+    # set by the engine's side, never encoded: verified without a proposal because the draft
+    # stage was lost (pipeline.engine.draft_failover), not because the controller chose k = 0
+    undrafted: bool = False
 
 
 @dataclass

@@ -102,7 +102,7 @@ def test_the_ray_stages_send_only_bytes_and_give_the_in_process_output(monkeypat
         draft=Handle("draft", DraftWorker(config), log),
         verifiers=[Handle("verifier", verifier, log)],
         output=Handle("output", OutputActor(config), log), placement_group=None, info=info)
-    core = EngineCore(config, ray_engine.RayStages(stage_actors), info["vocab_size"])
+    core = EngineCore(config, ray_engine.RayStages(stage_actors, config), info["vocab_size"])
     # an unseeded sampled request sends its draft probabilities; its tokens are not reproducible
     unseeded = ("u0", [40, 41], SamplingParams(max_new_tokens=8, temperature=0.9))
     over_stages = asyncio.run(collect(core, [*requests(), unseeded]))

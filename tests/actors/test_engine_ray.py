@@ -1,9 +1,9 @@
 """The engine on Ray: TP=1 and TP=2 (two verifier actors) give target-only greedy output through
 the streaming `generate` (TP=1 drafts with a draft model at fixed k, so drafts are verified
 whatever the measured step costs; TP=2 drafts n-grams at adaptive k, its prompts chunked by a
-small step budget); abort; a killed draft
-actor or verifier rank fails in-flight requests quickly, the engine reports unhealthy, then
-rebuilds its stage actors."""
+small step budget); abort; a killed draft actor costs nothing (requests in flight complete with
+target-only output, a new draft actor takes over and drafts again); a killed verifier rank fails
+in-flight requests quickly, the engine reports unhealthy, then rebuilds its stage actors."""
 
 from __future__ import annotations
 
@@ -141,6 +141,9 @@ def test_ray_full_queue_raises_overloaded_and_aborts_free_everything(engines):
     assert stats["free_slots"] == 8 and stats["waiting"] == 0 and stats["healthy"]
 
 
+LONG = SamplingParams(max_new_tokens=240, ignore_eos=True)
+
+
 async def _kill_during_generation(handle, which: str) -> tuple[list, float]:
     """Three long requests; once each has streamed a delta, kill one stage actor."""
     import ray
@@ -148,7 +151,7 @@ async def _kill_during_generation(handle, which: str) -> tuple[list, float]:
     client = EngineClient(handle)
     actors = await handle.stage_actors.remote()
     victim = actors["draft"] if which == "draft" else actors["verifiers"][1]
-    params = SamplingParams(max_new_tokens=240, ignore_eos=True)
+    params = LONG
     started = [asyncio.Event() for _ in range(3)]
 
     async def consume(i: int) -> list:
@@ -178,7 +181,76 @@ def _wait_healthy(handle, timeout: float = 90.0) -> dict:
     return health
 
 
-@pytest.mark.parametrize(("tp", "which"), [("tp1", "draft"), ("tp2", "verifier")])
+async def _kill_the_draft_under_load(handle) -> tuple[dict, float]:
+    """Kill the draft actor under three long requests, then start another long one every 0.3 s
+    until the new draft actor answers: the last ones run across the swap (its catch-up)."""
+    import ray
+
+    client = EngineClient(handle)
+    draft = (await handle.stage_actors.remote())["draft"]
+    first = asyncio.Event()
+
+    async def consume(i: int) -> list:
+        got = []
+        async for d in client.generate(EngineCall(f"kd{i}", PROMPTS[i % len(PROMPTS)], LONG)):
+            got.append(d)
+            first.set()
+        return got
+
+    tasks = {i: asyncio.ensure_future(consume(i)) for i in range(3)}
+    await first.wait()
+    ray.kill(draft, no_restart=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60:
+        if (await client.stats())["draft_replacements"]:  # the new one answered
+            break
+        tasks[len(tasks)] = asyncio.ensure_future(consume(len(tasks)))
+        await asyncio.sleep(0.3)
+    results = await asyncio.gather(*tasks.values(), return_exceptions=True)
+    return dict(zip(tasks, results)), time.monotonic() - t0
+
+
+def test_killed_draft_actor_costs_nothing_and_a_new_one_drafts_again(engines):
+    """The draft actor dies mid-generation: no request fails, outputs stay target-only (the
+    steps verify without drafts), the engine stays healthy and is not rebuilt; the new draft
+    actor takes over the requests running at the swap, and steps draft again."""
+    import ray
+
+    handle = engines["tp1"]
+    runner = build_runner(load_config("configs/tiny.yaml", {"draft": "none"}))
+    # the engine caps each output at max_model_len (256) less its prompt
+    want = [greedy_reference(runner, p, min(LONG.max_new_tokens, 256 - len(p))) for p in PROMPTS]
+    before = asyncio.run(EngineClient(handle).stats())
+    results, elapsed = asyncio.run(_kill_the_draft_under_load(handle))
+    for i, r in results.items():
+        assert not isinstance(r, BaseException), r
+        assert ids(r) == want[i % len(PROMPTS)] and r[-1].finish_reason == "length"
+        assert sum(len(d.token_ids) for d in r) == 1 + r[-1].spec_verify_ct + \
+            r[-1].spec_accepted_tokens
+    stats = asyncio.run(EngineClient(handle).stats())
+    assert stats["healthy"] and stats["restarts"] == before["restarts"] == 0
+    assert stats["draft_live"] and stats["draft_losses"] == stats["draft_replacements"] == 1, \
+        stats
+    assert stats["draft_caught_up"] > 0, stats  # requests started before it, drafted by it
+    print(f"{len(results)} requests; draft replaced after {stats['draft_downtime_s']:.2f}s; "
+          f"all done {elapsed:.2f}s after the kill")
+    # the new draft actor drafts (fixed k: every decode step asks for drafts)
+    _run_batch(handle, mixed_requests(8))
+    after = asyncio.run(EngineClient(handle).stats())
+    assert after["num_draft_tokens"] > stats["num_draft_tokens"] and after["restarts"] == 0
+    assert ray.get(ray.get(handle.stage_actors.remote())["draft"].ping.remote())
+    # idle: the health check's ping finds the dead draft actor and replaces it, no rebuild
+    ray.kill(ray.get(handle.stage_actors.remote())["draft"], no_restart=True)
+    deadline = time.monotonic() + 60
+    while stats["draft_replacements"] < 2:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+        stats = asyncio.run(EngineClient(handle).stats())  # its health() pings the stages
+        assert stats["healthy"], stats
+    assert stats["restarts"] == 0 and stats["draft_losses"] == 2
+
+
+@pytest.mark.parametrize(("tp", "which"), [("tp2", "verifier")])
 def test_killed_stage_actor_fails_requests_fast_then_engine_rebuilds(engines, tp, which):
     handle = engines[tp]
     results, elapsed = asyncio.run(_kill_during_generation(handle, which))

@@ -63,9 +63,10 @@ class EngineLike:
 
     async def start(self) -> None:
         from actors.engine import RayStages, StageActors
+        from pipeline.config import EngineConfig
 
         self.stages = RayStages(StageActors(draft=None, verifiers=[], output=self.output,
-                                            placement_group=None))
+                                            placement_group=None), EngineConfig())
 
     async def step_with_slow_payload(self) -> None:
         import ray

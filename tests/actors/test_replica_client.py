@@ -18,7 +18,6 @@ from pipeline.output.request_output import RequestOutput
 from pipeline.params import SamplingParams
 from pipeline.protocol.engine_call import EngineCall
 
-
 APP = "app"
 
 

@@ -2,7 +2,9 @@
 the draft actor, of one verifier rank and of the output actor mid-generation, SIGKILL of an idle
 output actor, and SIGSTOP of a verifier rank.
 
-Each time: every affected request ends with exactly one terminal event (a 503 or an in-band
+The draft actor's death costs nothing: every request completes with its fault-free output,
+/health never answers 503, the engine is not rebuilt, and a new draft actor takes over. For the
+others: every affected request ends with exactly one terminal event (a 503 or an in-band
 error event, then [DONE]) within the documented bound, /health goes 503, the engine rebuilds
 its stage actors (new pids), all slots are free again, and a canary gives exactly the output it
 gave before the fault, without restarting the service. Bounds: docs/reliability.md.
@@ -91,13 +93,46 @@ def check_failed_requests(futures: list, bound: float, t_fault: float) -> None:
     assert time.monotonic() - t_fault < bound
 
 
-@pytest.mark.parametrize("victim", ["draft", "verifier", "output"])
+def test_sigkill_of_the_draft_actor_mid_generation_costs_nothing(base, canary):
+    before = stage_pids(APP)
+    restarts = engine_stats(APP)["restarts"]
+    want = completion(base, dict(LONG))  # greedy: the output every choice gives, fault or not
+    assert want.ok
+    with ThreadPoolExecutor(4) as pool:
+        futures = start_load(base, pool)
+        watch = HealthWatch(base)
+        t_fault = time.monotonic()
+        os.kill(before["draft"], signal.SIGKILL)
+        try:
+            outs = [f.result(timeout=120) for f in futures]
+            deadline = t_fault + REBUILD_BOUND_S
+            while stage_pids(APP)["draft"] == before["draft"]:  # the new one answered
+                assert time.monotonic() < deadline, engine_stats(APP)
+                time.sleep(0.2)
+        finally:
+            watch.close()
+    for out in outs:
+        out.check_one_terminal_each()
+        assert out.ok, out
+        assert all(out.text[i] == want.text[0] for i in range(out.n)), out
+        assert all(out.terminal[i] == ["length"] for i in range(out.n)), out
+    assert set(watch.statuses()) == {200}, watch.reasons
+    stats = engine_stats(APP)
+    assert stats["restarts"] == restarts and stats["draft_live"] and stats["draft_losses"] >= 1
+    after = stage_pids(APP)
+    assert (after["engine"], after["verifiers"], after["output"]) == \
+        (before["engine"], before["verifiers"], before["output"])
+    wait_slots_free(APP, NUM_SLOTS)
+    again = completion(base, CANARY)
+    assert again.ok and (again.text, again.tokens) == (canary.text, canary.tokens)
+
+
+@pytest.mark.parametrize("victim", ["verifier", "output"])
 def test_sigkill_of_a_stage_mid_generation_errors_fast_then_the_engine_rebuilds(
         base, canary, victim):
     before = stage_pids(APP)
     restarts = engine_stats(APP)["restarts"]
-    pid = {"draft": before["draft"], "verifier": before["verifiers"][1],
-           "output": before["output"]}[victim]
+    pid = {"verifier": before["verifiers"][1], "output": before["output"]}[victim]
     with ThreadPoolExecutor(4) as pool:
         futures = start_load(base, pool)
         watch = HealthWatch(base)
