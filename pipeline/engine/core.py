@@ -104,6 +104,7 @@ class EngineCore:
         self._task: asyncio.Task | None = None
         self._dropped = 0
         self._in_step = False  # a step's stages are running (see `idle`)
+        self._step_started: float | None = None  # monotonic start of the step in flight
         # prompt tokens served from the prefix cache, per request, until its first delta
         self._cached: dict[str, int] = {}
         # finished running requests whose release plan has not yet run: a late step (overlap)
@@ -223,13 +224,14 @@ class EngineCore:
             return await self._run_step(plan, pending)
         finally:
             self._in_step = False
+            self._step_started = None
 
     async def _run_step(self, plan: StepPlan, pending: asyncio.Future | None
                         ) -> asyncio.Future | None:
         span = self._start_span(plan)
         tokens = plan_tokens(plan)
         self.stall_bound_s = self.stall.bound(tokens)
-        started = time.monotonic()
+        started = self._step_started = time.monotonic()
         step = asyncio.ensure_future(self._timed(self.stages.run_step(plan), plan.step, "verify"))
         if pending is not None:  # step s-1's output is handled while step s drafts and verifies
             await self._deliver(pending)
@@ -357,9 +359,16 @@ class EngineCore:
             return {"healthy": False, "reason": self.dead_reason}
         if self._task is not None and self._task.done():
             return {"healthy": False, "reason": "engine loop stopped"}
+        # The step in flight against its own bound (what the loop's stall check uses), not the
+        # time since the last step ended: between steps the loop hands out a step's deltas and
+        # plans the next, which under a large fan-out can take longer than a step's bound.
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.stall_bound_s:
+            return {"healthy": False, "reason": f"the step in flight has run "
+                    f"{time.monotonic() - started:.1f}s, over its bound {self.stall_bound_s:.1f}s"}
         stalled = time.time() - self.last_progress
-        if self.scheduler.has_work and stalled > self.stall_bound_s:
-            return {"healthy": False,
+        if started is None and self.scheduler.has_work and stalled > self.config.step_timeout_s:
+            return {"healthy": False,  # a loop that stopped stepping with work to do
                     "reason": f"no progress for {stalled:.1f}s with pending requests"}
         return {"healthy": True, "reason": ""}
 

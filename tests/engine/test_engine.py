@@ -614,3 +614,30 @@ def test_fan_outs_filling_the_queue_never_refuse_a_single_small_request():
     latencies.sort()
     print(f"small-request latency p50 {latencies[9]:.3f} s, max (p99) {latencies[-1]:.3f} s; "
           f"fan-out refusals {refusals['fan']}")
+
+
+def test_health_follows_the_step_in_flight_not_the_gap_between_steps():
+    """A busy engine between steps (handing out a big step's deltas, planning the next) is
+    healthy however long that takes under the step timeout; a step running past its own bound
+    is not, before the loop's own stall check ends it; nor is a loop that stopped stepping with
+    work to do for the step timeout."""
+    config = load_config(CONFIG, {"step_timeout_s": 30.0})
+    core = build_local_engine(config)  # not started: its state is set by hand below
+
+    async def main():
+        await core.add_request(EngineCall("r", PROMPTS[0], SamplingParams()))
+        assert core.scheduler.has_work
+        core.stall_bound_s = 0.5
+        core.last_progress -= 10.0  # 10 s since the last step ended, no step in flight
+        between = core.health()
+        core._step_started = time.monotonic() - 1.0  # a step running 1 s against 0.5
+        stuck = core.health()
+        core._step_started = None
+        core.last_progress -= 30.0
+        stopped = core.health()
+        return between, stuck, stopped
+
+    between, stuck, stopped = asyncio.run(main())
+    assert between["healthy"] is True
+    assert stuck["healthy"] is False and "over its bound" in stuck["reason"]
+    assert stopped["healthy"] is False and "no progress" in stopped["reason"]
