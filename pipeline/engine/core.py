@@ -24,7 +24,7 @@ from pipeline.config import EngineConfig
 from pipeline.engine.scheduler import EngineRequest, Scheduler
 from pipeline.engine.spec.policy import SpecController
 from pipeline.engine.stall import StallDetector, plan_tokens
-from pipeline.engine.stats import STEP_BUCKETS, EngineStats
+from pipeline.engine.stats import EngineStats, scheduler_view
 from pipeline.errors import EngineDeadError
 from pipeline.output.request_output import RequestOutput
 from pipeline.protocol import EngineCall, NewRequest, StepOutcome, StepPlan, as_engine_call
@@ -373,37 +373,11 @@ class EngineCore:
         return {"healthy": True, "reason": ""}
 
     async def stats_dict(self) -> dict[str, Any]:
-        s = self.stats
         if self.dead_reason is None:  # a dead stage cannot answer: keep the last count
             try:
                 self._dropped = await self.stages.dropped_steps()
             except Exception:  # noqa: BLE001, S110 - a stage died unnoticed: health() notices
                 pass
-        dropped = self._dropped
-        return {
-            "num_slots": self.scheduler.num_slots,
-            "free_slots": self.scheduler.free_slots,
-            "kv_blocks": self.scheduler.num_blocks,
-            "kv_blocks_used": self.scheduler.blocks_used,
-            "preemptions": self.scheduler.preemptions,
-            "prefix_cache_queries": s.prefix_queries,
-            "prefix_cache_hits": s.prefix_hits,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "max_waiting": self.scheduler.max_waiting,
-            "steps": s.steps,
-            "dropped_steps": dropped,
-            "verify_steps": s.verify_steps,
-            "num_drafts": s.drafts,
-            "num_draft_tokens": s.draft_tokens,
-            "num_accepted_tokens": s.accepted_tokens,
-            "num_accepted_tokens_per_pos": list(s.accepted_per_pos),
-            "acceptance_histogram": list(s.histogram),
-            "k_chosen": list(s.k_chosen),
-            "step_seconds": {"buckets": list(STEP_BUCKETS), "counts": list(s.step_seconds),
-                             "sum": s.step_seconds_sum},
-            "stalls": s.stalls,
-            "healthy": self.health()["healthy"],
-            "last_progress": self.last_progress,
-            "stall_bound_s": self.stall_bound_s,
-        }
+        return {**scheduler_view(self.scheduler), **self.stats.view(), "dropped_steps": self._dropped,
+                "healthy": self.health()["healthy"], "last_progress": self.last_progress,
+                "stall_bound_s": self.stall_bound_s}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.output.request_state import count_into
 from pipeline.protocol import StepOutcome
@@ -42,6 +43,19 @@ class EngineStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
 
+    def view(self) -> dict[str, Any]:
+        """The counters as the engine's stats answer names them."""
+        return {
+            "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+            "steps": self.steps, "verify_steps": self.verify_steps, "num_drafts": self.drafts,
+            "num_draft_tokens": self.draft_tokens, "num_accepted_tokens": self.accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "acceptance_histogram": list(self.histogram), "k_chosen": list(self.k_chosen),
+            "step_seconds": {"buckets": list(STEP_BUCKETS), "counts": list(self.step_seconds),
+                             "sum": self.step_seconds_sum},
+            "stalls": self.stalls,
+        }
+
     def record(self, outcome: StepOutcome, num_prefills: int) -> None:
         """One step; its first `num_prefills` requests were prefilled (not verify steps)."""
         self.steps += 1
@@ -61,3 +75,13 @@ class EngineStats:
             self.accepted_tokens += accepted
             for pos in range(accepted):
                 count_into(self.accepted_per_pos, pos)
+
+
+def scheduler_view(scheduler: Any) -> dict[str, Any]:
+    """A Scheduler's occupancy as the engine's stats answer names it."""
+    return {
+        "num_slots": scheduler.num_slots, "free_slots": scheduler.free_slots,
+        "kv_blocks": scheduler.num_blocks, "kv_blocks_used": scheduler.blocks_used,
+        "preemptions": scheduler.preemptions, "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting), "max_waiting": scheduler.max_waiting,
+    }
