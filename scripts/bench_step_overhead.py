@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -42,7 +43,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `actors`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.config import EngineConfig, load_config
+from pipeline.config import EngineConfig, load_config, parse_null_source
 from pipeline.engine.local import build_local_engine
 from pipeline.models.null import next_token, null_config
 from pipeline.params import SamplingParams
@@ -65,12 +66,13 @@ class Wave:
     tokens: int
     parts_s: dict[str, float] = dataclasses.field(default_factory=dict)
     bad_outputs: int = 0
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 def bench_config(args: argparse.Namespace) -> EngineConfig:
     most = max(args.batches)
     return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), {
-        "model": f"null:{args.forward_ms:g}", "draft": args.draft, "draft_model": None,
+        "model": args.model or f"null:{args.forward_ms:g}", "draft": args.draft, "draft_model": None,
         "num_slots": most, "max_waiting": most, "max_model_len": PROMPT_LEN + args.tokens + 16,
         "step_timeout_s": 60, "overlap": not args.no_overlap})
 
@@ -89,8 +91,10 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return out
 
 
-async def wave(generate: Any, tag: str, batch: int, rep: int, tokens: int) -> tuple[int, int]:
-    """Run one wave through `generate(call)` (an async iterator of deltas); (tokens, bad)."""
+async def wave(generate: Any, tag: str, batch: int, rep: int, tokens: int, null: bool
+               ) -> tuple[int, int, list[list[int]]]:
+    """Run one wave through `generate(call)` (an async iterator of deltas); (tokens, outputs
+    that are not the null model's known sequence (0 for another model), the outputs)."""
     params = SamplingParams(max_new_tokens=tokens, temperature=0.0)
 
     async def one(i: int, prompt: list[int]) -> list[int]:
@@ -101,13 +105,14 @@ async def wave(generate: Any, tag: str, batch: int, rep: int, tokens: int) -> tu
 
     ps = prompts(batch, rep)
     outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
-    bad = sum(o != expected(p, tokens) for p, o in zip(ps, outs))
-    return sum(len(o) for o in outs), bad
+    bad = sum(o != expected(p, tokens) for p, o in zip(ps, outs)) if null else 0
+    return sum(len(o) for o in outs), bad, list(outs)
 
 
 class InProcess:
     def __init__(self, config: EngineConfig) -> None:
         self.clock = Clock()
+        self.null = parse_null_source(config.model) is not None
         self.core = build_local_engine(config, stages_type=timed_stages(self.clock))
         runner = self.core.stages.verifier.runner
         self.clock.wrap_forward(runner.model, "verify_forward")  # the model's own forward
@@ -131,7 +136,7 @@ class InProcess:
         async def go() -> tuple[int, int]:
             self.core.start()
             try:
-                return await wave(self.generate, tag, batch, rep, tokens)
+                return await wave(self.generate, tag, batch, rep, tokens, self.null)
             finally:
                 await self.core.idle()
 
@@ -139,14 +144,14 @@ class InProcess:
         self.schedule_s = 0.0
         steps0 = self.core.stats.steps
         t0, c0 = time.perf_counter(), time.process_time()
-        n, bad = asyncio.run(go())
+        n, bad, outs = asyncio.run(go())
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         t = self.clock.times
         parts = {"schedule": self.schedule_s, "draft": t.draft,
                  "verify": t.verify - t.verify_forward, "forward": t.verify_forward,
                  "output": t.output}
         parts["loop"] = wall - sum(parts.values())
-        return Wave(wall, self.core.stats.steps - steps0, cpu, n, parts, bad)
+        return Wave(wall, self.core.stats.steps - steps0, cpu, n, parts, bad, outs)
 
 
 class ThroughRay:
@@ -158,16 +163,18 @@ class ThroughRay:
 
         ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
         self.ray = ray
+        self.null = parse_null_source(config.model) is not None
         self.handle = start_engine(config)
         self.client = EngineClient(self.handle)
 
     def run(self, tag: str, batch: int, rep: int, tokens: int) -> Wave:
         steps0 = self.ray.get(self.handle.stats.remote())["steps"]
         t0, c0 = time.perf_counter(), process_tree_cpu_s()
-        n, bad = asyncio.run(wave(self.client.generate, tag, batch, rep, tokens))
+        n, bad, outs = asyncio.run(wave(self.client.generate, tag, batch, rep, tokens,
+                                        self.null))
         wall, cpu = time.perf_counter() - t0, process_tree_cpu_s() - c0
         steps = self.ray.get(self.handle.stats.remote())["steps"] - steps0
-        return Wave(wall, steps, cpu, n, bad_outputs=bad)
+        return Wave(wall, steps, cpu, n, bad_outputs=bad, outputs=outs)
 
     def close(self) -> None:
         from actors.engine import stop_engine
@@ -212,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 256])
     p.add_argument("--forward-ms", type=float, default=0.0, help="the null model's forward")
+    p.add_argument("--model", default=None,
+                   help="a real model instead of the null one (outputs then checked between "
+                        "the transports only)")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--draft", default="none", choices=["none", "ngram", "suffix"])
@@ -249,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             runners["ray"].close()
     cells = {k: summarize(v) for k, v in waves.items()}
     bad = sum(c["bad_outputs"] for c in cells.values())
+    # any model: the transports' greedy outputs of the same wave agree
+    for b in args.batches:
+        runs = [waves[f"{name}/b{b}"] for name in runners]
+        bad += sum(x.outputs != y.outputs for ws in zip(*runs) for x, y in itertools.pairwise(ws))
     print(table(cells, args.batches))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -256,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                    "config": {"model": config.model, "draft": config.draft,
                               "overlap": config.overlap}}, f, indent=2)
     if bad:
-        print(f"{bad} outputs differ from the null model's greedy sequence", file=sys.stderr)
+        print(f"{bad} outputs differ from the null model's greedy sequence or between the "
+              "transports", file=sys.stderr)
         return 1
     return 0
 

@@ -6,6 +6,8 @@
 #   2. flash vs SDPA parity in bfloat16 through pipeline.models.attention and ModelRunner
 #   3. the lossless engine tests on cuda: float32/SDPA, then bfloat16/flash
 #   4. decode tok/s at batch 1/8/32: target-only and n-gram vs Hugging Face generate (SmolLM2)
+#   5. what the engine adds to a step (scripts/bench_step_overhead.py), in-process and through
+#      Ray: the null model (no model math) at batch 1/8/32/256, then SmolLM2 at 1/8/32
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -38,5 +40,13 @@ engine_tests float32 sdpa 'speculative_greedy_equals_target_only or finishes_ins
 engine_tests bfloat16 flash 'speculative_greedy_equals_target_only and -1-'
 
 timeout 300 "$VENV/bin/python" scripts/gpu_check.py bench --device cuda --out "$OUT" || status=1
+
+step_overhead() {  # $1 out dir, then bench_step_overhead.py arguments
+    local out=$1; shift
+    timeout 400 "$VENV/bin/python" scripts/bench_step_overhead.py --reps 2 --set device=cuda \
+        --ray-cores "$(nproc)" --out "$OUT/$out" "$@" || status=1
+}
+step_overhead step-null --batches 1 8 32 256
+step_overhead step-smollm2 --model smollm2 --set dtype=bfloat16 --batches 1 8 32
 echo "gpu_check: $([ $status = 0 ] && echo PASS || echo FAIL), results in $OUT"
 exit $status
