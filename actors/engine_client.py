@@ -17,7 +17,7 @@ from pipeline.engine.relay import Demux, RelayMessage
 from pipeline.errors import EngineDeadError
 from pipeline.frontend.background import fire_and_forget
 from pipeline.output.request_output import RequestOutput
-from pipeline.protocol.engine_call import EngineCall, as_engine_call
+from pipeline.protocol.engine_call import EngineCall
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -55,11 +55,8 @@ class EngineClient:
             relay = self._relay = Relay(self.handle, loop)
         return relay
 
-    async def generate(self, call: EngineCall | str, *legacy: Any,
-                       **legacy_kw: Any) -> AsyncIterator[RequestOutput]:
-        """The request's deltas from the Engine actor; closing early aborts it there.
-        (`legacy`: the positional form scripts/bench_*.py still use, `as_engine_call`.)"""
-        call = as_engine_call(call, *legacy, **legacy_kw)
+    async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
+        """The request's deltas from the Engine actor; closing early aborts it there."""
         rid = call.rid
         relay = self._relay_here()
         queue = relay.demux.open(rid)

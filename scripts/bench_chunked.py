@@ -31,6 +31,7 @@ from pipeline.config import load_config
 from pipeline.engine.local import build_local_engine
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 STREAMS, DRAFTS = 4, 4
 
@@ -85,7 +86,7 @@ async def _run_once(core, vocab: int, prompt_len: int, out_len: int,
 
     async def one(rid: str, prompt: list[int], p: SamplingParams) -> None:
         times = arrivals.setdefault(rid, [])
-        async for _ in await core.add_request(rid, prompt, p):
+        async for _ in await core.add_request(EngineCall(rid, prompt, p)):
             times.append(time.perf_counter())
 
     core.start()

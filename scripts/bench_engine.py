@@ -63,6 +63,7 @@ from pipeline.models.llama import LlamaModel
 from pipeline.models.runner import ModelRunner
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 from pipeline.tokenizer import eos_token_ids
 from scripts.tree_state import tree_state
 
@@ -270,7 +271,7 @@ async def run_local_wave(core: Any, wave: list[Request], params: Any,
     core.start()
     # a closed wave is a batch job: its last request tells the engine the batch drains after it
     traces = await closed_loop(wave, batch, lambda r: stream_one(
-        lambda: core.add_request(r.rid, r.ids, params, last=r is wave[-1]), r.rid))
+        lambda: core.add_request(EngineCall(r.rid, r.ids, params, last=r is wave[-1])), r.rid))
     await core.idle()  # the release-only plan frees the slots before another mode's wave
     return traces
 
@@ -527,7 +528,8 @@ def run_ray(bench: LocalBench, config: Any, mode: str, workload: str, batches: l
 
     async def go(tag: str, wave: list[Request], batch: int) -> list[Trace]:
         return await closed_loop(wave, batch, lambda r: stream_one(
-            lambda: client.generate(f"{tag}-{r.rid}", r.ids, params, last=r is wave[-1]),
+            lambda: client.generate(EngineCall(f"{tag}-{r.rid}", r.ids, params,
+                                               last=r is wave[-1])),
             r.rid))
 
     try:

@@ -257,7 +257,7 @@ async def hop_ttft(app: str, prompts: list[list[int]], max_tokens: int,
     async def via_engine(ids: list[int]) -> float:
         t0 = time.perf_counter()
         first = None
-        async for _ in direct.generate(f"hop-e-{uuid.uuid4().hex}", ids, params):
+        async for _ in direct.generate(EngineCall(f"hop-e-{uuid.uuid4().hex}", ids, params)):
             first = first or time.perf_counter() - t0
         return first
 

@@ -18,6 +18,7 @@ from pipeline.engine.local import build_local_engine
 from pipeline.grammar.llg import compile_grammar
 from pipeline.models.runners import tiny_tokenizer
 from pipeline.params import SamplingParams
+from pipeline.protocol.engine_call import EngineCall
 
 SCHEMAS = [
     {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -34,7 +35,7 @@ SCHEMAS = [
 async def latencies(core, requests) -> dict[str, float]:
     async def one(rid, prompt, params):
         t0 = time.perf_counter()
-        stream = await core.add_request(rid, prompt, params)
+        stream = await core.add_request(EngineCall(rid, prompt, params))
         n = 0
         async for d in stream:
             n += len(d.token_ids)

@@ -27,7 +27,7 @@ from pipeline.engine.stall import StallDetector, plan_tokens
 from pipeline.engine.stats import EngineStats, scheduler_view
 from pipeline.errors import EngineDeadError
 from pipeline.output.request_output import RequestOutput
-from pipeline.protocol import EngineCall, NewRequest, StepOutcome, StepPlan, as_engine_call
+from pipeline.protocol import EngineCall, NewRequest, StepOutcome, StepPlan
 
 
 class Stages(Protocol):
@@ -112,17 +112,15 @@ class EngineCore:
         self._unreleased: dict[str, asyncio.Event] = {}
 
     # --- requests ---------------------------------------------------------------------------
-    async def add_request(self, call: EngineCall | str, *legacy: Any,
-                          sink: Callable[[str, RequestOutput | BaseException], None] | None = None,
-                          **legacy_kw: Any) -> RequestStream:
+    async def add_request(self, call: EngineCall,
+                          sink: Callable[[str, RequestOutput | BaseException], None] | None = None
+                          ) -> RequestStream:
         """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
         (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then.
-        (`legacy`: the positional form scripts/bench_*.py still use, `as_engine_call`; `sink`:
-        see RequestStream.)
+        (`sink`: see RequestStream.)
         An id whose previous request has finished is reusable once that request's slots are
         freed (the next step): until then this waits, since the step after a stop was planned
         with the stopped request, and its tokens would reach the new one under the same id."""
-        call = as_engine_call(call, *legacy, **legacy_kw)
         rid = call.rid
         while rid in self._unreleased:
             if self._task is None or self._task.done():  # no loop to run the release plan

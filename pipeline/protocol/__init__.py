@@ -4,7 +4,7 @@
 the engine (`engine_call`). Imports nothing above it: every stage may import the protocol, the
 protocol imports no stage."""
 
-from pipeline.protocol.engine_call import EngineCall, as_engine_call
+from pipeline.protocol.engine_call import EngineCall
 from pipeline.protocol.messages import (
     NewRequest,
     Proposal,
@@ -57,7 +57,7 @@ __all__ = [
     "NEW_REQUEST_VERSION", "OUTCOME_VERSION", "PLAN_VERSION", "PROPOSAL_VERSION",
     "PROTOCOL_VERSION", "RANK_REPORT_VERSION", "SAMPLING_FIELDS", "_KEYS", "EngineCall",
     "NewRequest", "Proposal", "ProtocolError", "RankReport",
-    "StepColumns", "StepOutcome", "StepPlan", "VerifyStep", "as_engine_call", "columns_from_step",
+    "StepColumns", "StepOutcome", "StepPlan", "VerifyStep", "columns_from_step",
     "decode", "decode_columns", "decode_new_request", "decode_outcome", "decode_plan",
     "decode_proposal", "decode_rank_report", "draft_room", "encode", "encode_columns",
     "encode_new_request", "encode_outcome", "encode_plan", "encode_proposal", "encode_rank_report",

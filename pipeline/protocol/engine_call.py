@@ -10,7 +10,6 @@ delta messages (pipeline/output/delta_codec.py). Validation stays with the engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pipeline.params import SamplingParams
 
@@ -29,17 +28,3 @@ class EngineCall:
     # a hash of the API key and `user` it came from (pipeline.frontend.tenant; "" = anonymous):
     # the draft stage shares state across requests of one tenant only
     tenant: str = ""
-
-
-def as_engine_call(call: EngineCall | str, *args: Any, **kwargs: Any) -> EngineCall:
-    """`call` itself, or the EngineCall that the older positional form `(rid, prompt_ids,
-    params, ...)` names. Only scripts/bench_*.py still call EngineCore.add_request and
-    EngineClient.generate that way (they are left as they are while benchmarks run); drop this
-    once they build an EngineCall."""
-    if isinstance(call, EngineCall):
-        if args or kwargs:
-            raise TypeError("an EngineCall carries the whole request: pass nothing after it")
-        return call
-    if isinstance(call, str):
-        return EngineCall(call, *args, **kwargs)
-    raise TypeError(f"expected an EngineCall, got {type(call).__name__}")

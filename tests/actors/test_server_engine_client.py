@@ -126,13 +126,3 @@ def test_generate_passes_the_admission_group_a_batchs_last_and_the_tenant_to_the
     asyncio.run(go(group="job", last=True, tenant="t" * 32, traceparent="tp"))
     assert [(c.group, c.last, c.tenant, c.traceparent) for c in handle.calls] == [
         ("http-7", False, "", None), ("job", True, "t" * 32, "tp")]
-
-
-def test_generate_still_takes_the_positional_form_the_bench_scripts_use():
-    handle = FakeHandle([RequestOutput("r1", [5], finished=True, finish_reason="length")])
-
-    async def go():
-        client = EngineClient(handle)
-        return [o async for o in client.generate("r1", [1, 2], SamplingParams(), last=True)]
-    assert [o.token_ids for o in asyncio.run(go())] == [[5]]
-    assert handle.calls == [EngineCall("r1", [1, 2], SamplingParams(), last=True)]
