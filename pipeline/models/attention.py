@@ -34,6 +34,7 @@ import functools
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -112,25 +113,39 @@ def build_metadata(backend: str, tables: list[list[int]], starts: list[int],
     t = max(q_lens)
     k_lens = [s + q for s, q in zip(starts, q_lens)]
     lk = max(k_lens)
-    for table, k_len in zip(tables, k_lens):
-        if len(table) * block_size < k_len:
+    used = [-(-k // block_size) for k in k_lens]  # blocks each run reads
+    for table, k_len, n in zip(tables, k_lens, used):
+        if len(table) < n:
             raise ValueError(f"attention: a block table of {len(table)} blocks cannot hold "
                              f"{k_len} keys (block size {block_size})")
     uniform = all(q == t for q in q_lens)
-    width = max(-(-k // block_size) for k in k_lens)
-    table_t = torch.zeros((b, width), dtype=torch.long)
-    for i, table in enumerate(tables):
-        used = table[: -(-k_lens[i] // block_size)]
-        table_t[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-    starts_t = torch.tensor(starts, dtype=torch.long)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.long)
-    run = torch.arange(b).repeat_interleave(q_lens_t, output_size=sum(q_lens))  # run of token
-    within = torch.arange(len(run)) - (torch.cumsum(q_lens_t, 0) - q_lens_t)[run]
-    positions = starts_t[run] + within
-    write_idx = table_t[run, positions // block_size] * block_size + positions % block_size
+    # The index math in numpy, one torch.from_numpy per result: a dozen tiny torch ops cost
+    # several microseconds each on CPU, more than the whole forward of a small batch.
+    width = max(used)
+    table_np = np.zeros((b, width), dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(tb[:n] for tb, n in zip(tables, used)),
+                       dtype=np.int64, count=sum(used))
+    if width == 1:
+        table_np[:, 0] = flat
+    else:
+        used_np = np.array(used, dtype=np.int64)
+        table_np[np.repeat(np.arange(b), used_np),
+                 np.arange(len(flat)) - np.repeat(np.cumsum(used_np) - used_np, used_np)] = flat
+    starts_np = np.array(starts, dtype=np.int64)
+    if t == 1:  # decode: one token per run
+        run = np.arange(b)
+        within = np.zeros(b, dtype=np.int64)
+        positions = starts_np
+    else:
+        q_lens_np = np.array(q_lens, dtype=np.int64)
+        run = np.repeat(np.arange(b), q_lens_np)  # run of each token
+        within = np.arange(len(run)) - (np.cumsum(q_lens_np) - q_lens_np)[run]
+        positions = starts_np[run] + within
+    write_idx = table_np[run, positions // block_size] * block_size + positions % block_size
     meta = AttnMetadata(
-        backend=backend, batch=b, max_q=t, max_k=lk, write_idx=write_idx.to(device),
-        positions=positions.to(device), block_table=table_t.to(torch.int32).to(device),
+        backend=backend, batch=b, max_q=t, max_k=lk, write_idx=_tensor(write_idx, device),
+        positions=_tensor(positions, device),
+        block_table=_tensor(table_np.astype(np.int32), device),
     )
     if backend == "flash":
         meta.cu_seqlens_q = _cumulative(q_lens).to(device)
@@ -149,18 +164,23 @@ def build_metadata(backend: str, tables: list[list[int]], starts: list[int],
             meta.groups.append((torch.tensor(tokens, device=device), sub))
         return meta
     if not uniform:  # mixed lengths: scatter each token to its run's row of the padded query
-        meta.pad_idx = (run * t + within).to(device)
+        meta.pad_idx = _tensor(run * t + within, device)
     if t == 1 and all(k == lk for k in k_lens):
         return meta  # decode, same lengths: every gathered key is visible
     if uniform and not any(starts):
         meta.causal = True  # equal-length prefills from position 0: plain causal attention
         return meta
-    q_pos = torch.arange(t)[None, :] + starts_t[:, None]                       # [B, T]
-    k_pos = torch.arange(lk)
-    k_len = torch.tensor(k_lens, dtype=torch.long)
+    q_pos = np.arange(t)[None, :] + starts_np[:, None]                         # [B, T]
+    k_pos = np.arange(lk)
+    k_len = np.array(k_lens, dtype=np.int64)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < k_len[:, None, None])
-    meta.mask = mask[:, None].to(device)
+    meta.mask = _tensor(mask[:, None], device)
     return meta
+
+
+def _tensor(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A numpy result as a tensor on `device` (CPU: shares the array, no copy)."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 
 def split_runs(q_lens: list[int]) -> list[list[int]] | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from pipeline.models.attention import FLASH_PAGE_MULTIPLE, build_metadata, resolve_backend
@@ -89,21 +90,26 @@ class ModelRunner:
 
     # --- forward -----------------------------------------------------------------------
     def forward(self, slots: list[int], runs: list[list[int]],
-                last_only: bool | list[bool] = False) -> list[torch.Tensor]:
+                last_only: bool | list[bool] = False, packed: bool = False
+                ) -> list[torch.Tensor] | torch.Tensor:
         """Append run i at slot i's length; return per-run float32 logits [len(run), vocab].
 
         `last_only` (one flag, or one per run) returns only a run's last row ([1, vocab]):
         a prefill that needs just the next token skips the LM head for the rest of its
         prompt, and can share one forward with verify runs that need every row.
+        `packed`: the rows as the model returns them, the runs' stacked [N, vocab] (the
+        verifier's greedy acceptance wants them so: no view per run, no copy to stack them).
         """
         starts = self._validate(slots, runs)
         q_lens = [len(r) for r in runs]
         flags = [last_only] * len(runs) if isinstance(last_only, bool) else list(last_only)
         if len(flags) != len(runs):
             raise ValueError(f"forward: {len(flags)} last_only flags for {len(runs)} runs")
-        ids = torch.tensor(list(itertools.chain.from_iterable(runs)), dtype=torch.long)
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        # numpy for the id checks: torch's min/max and tensor-from-list cost more per call
+        ids = np.fromiter(itertools.chain.from_iterable(runs), dtype=np.int64, count=sum(q_lens))
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} out of vocabulary [0, {self.vocab_size})")
         self.cache.reserve(slots, [s + n for s, n in zip(starts, q_lens)])
         meta = build_metadata(self.backend, [self.cache.table(s) for s in slots], starts,
@@ -115,12 +121,13 @@ class ModelRunner:
             rows = [range(e - o, e) for e, o in zip(ends, out_lens)]
             logits_idx = torch.tensor([i for r in rows for i in r], device=self.device)
         with torch.inference_mode():
-            logits = self.model(ids.to(self.device), meta.positions, self.cache, meta,
-                                logits_idx=logits_idx).float()
+            logits = self.model(torch.from_numpy(ids).to(self.device), meta.positions,
+                                self.cache, meta, logits_idx=logits_idx).float()
+        lengths, tokens = self.cache.lengths, self.cache.tokens
         for slot, run in zip(slots, runs):
-            self.cache.lengths[slot] += len(run)
-            self.cache.tokens[slot].extend(run)
-        return list(logits.split(out_lens))
+            lengths[slot] += len(run)
+            tokens[slot].extend(run)
+        return logits if packed else list(logits.split(out_lens))
 
     def _validate(self, slots: list[int], runs: list[list[int]]) -> list[int]:
         if len(slots) != len(runs):

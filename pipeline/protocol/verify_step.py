@@ -45,6 +45,7 @@ MAX_TOP_N = 20
 _KEYS = frozenset({"v", "step", "rids", "len", "draft", "tok", "lp", "tn", "tid", "tlp", "tp", "t"})
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _I32 = np.dtype("<i4")
+_I32_MAX = int(np.iinfo(_I32).max)  # once: np.iinfo builds an object a call
 _F64 = np.dtype("<f8")
 
 
@@ -264,10 +265,11 @@ def validate_columns(cols: StepColumns) -> None:
     b = len(cols.rids)
     if b > MAX_BATCH:
         raise ProtocolError(f"batch of {b} exceeds {MAX_BATCH}")
+    # the type check first (map(len) needs sized items); C-level passes, not a generator
     if b and not (
-        all(type(r) is str for r in cols.rids)
-        and 0 < min(map(len, cols.rids))
-        and max(map(len, cols.rids)) <= MAX_RID_CHARS
+        set(map(type, cols.rids)) == {str}
+        and 0 < min(lens := list(map(len, cols.rids)))
+        and max(lens) <= MAX_RID_CHARS
     ):
         bad = next(
             r for r in cols.rids if not isinstance(r, str) or not 0 < len(r) <= MAX_RID_CHARS
@@ -290,7 +292,7 @@ def validate_columns(cols: StepColumns) -> None:
     n_tok = int(cols.lengths.sum()) if b else 0
     if cols.tokens.shape != (n_tok,):
         raise ProtocolError(f"expected {n_tok} tokens, got {cols.tokens.shape[0]}")
-    if n_tok and (int(cols.tokens.min()) < 0 or int(cols.tokens.max()) > np.iinfo(_I32).max):
+    if n_tok and (int(cols.tokens.min()) < 0 or int(cols.tokens.max()) > _I32_MAX):
         raise ProtocolError("token ids must be non-negative int32")
     if cols.logprobs is not None:
         if cols.logprobs.shape != (n_tok,):
@@ -307,7 +309,7 @@ def validate_columns(cols: StepColumns) -> None:
         n_top = int((cols.lengths * cols.top_n).sum()) if b else 0
         if cols.top_ids.shape != (n_top,) or cols.top_logprobs.shape != (n_top,):
             raise ProtocolError("top logprob arrays must hold len * top-N entries")
-        if n_top and (int(cols.top_ids.min()) < 0 or int(cols.top_ids.max()) > np.iinfo(_I32).max):
+        if n_top and (int(cols.top_ids.min()) < 0 or int(cols.top_ids.max()) > _I32_MAX):
             raise ProtocolError("top logprob ids must be non-negative int32")
         if not bool(np.isfinite(cols.top_logprobs).all()):
             raise ProtocolError("top logprobs must be finite")

@@ -53,6 +53,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -243,24 +244,34 @@ def accept_greedy_packed(
     request verifying 4 drafts in a batch of 8 pads 12 rows to 40). Same result as `accept`."""
     num_pos = draft_token_ids.shape[1]
     device = logits.device
-    num_drafts = num_drafts.long().to(device)
-    run_lens = num_drafts + 1
+    # The index math and the accepted prefixes in numpy (a few ints a row; the argmax comes to
+    # the host anyway for the step message): as ~20 tiny torch ops they cost more than a small
+    # batch's whole acceptance on CPU.
+    nd = num_drafts.long().cpu().numpy()
+    run_lens = nd + 1
     if int(run_lens.sum()) != logits.shape[0]:
         raise ValueError(f"logits must hold sum(num_drafts + 1) = {int(run_lens.sum())} rows, "
                          f"got {logits.shape[0]}")
-    starts = torch.cumsum(run_lens, 0) - run_lens
+    starts = np.cumsum(run_lens) - run_lens
     # [B, K+1] packed row of each position; past a run's end, its last row (masked below)
-    pos = torch.arange(num_pos + 1, device=device)[None, :]
-    rows = starts[:, None] + torch.minimum(pos, num_drafts[:, None])
-    logprobs = compute_logprobs(logits)
-    tokens, num_tokens = greedy_accept(draft_token_ids.long().to(device), num_drafts,
-                                       logits.argmax(dim=-1)[rows])
-    chosen = logprobs[rows, tokens.clamp_min(0)]
+    pos = np.arange(num_pos + 1)[None, :]
+    rows = starts[:, None] + np.minimum(pos, nd[:, None])
+    argmax = logits.argmax(dim=-1).cpu().numpy()[rows]
+    # greedy_accept: drafts kept while they equal the argmax, then the argmax
+    match = draft_token_ids.long().cpu().numpy() == argmax[:, :num_pos]
+    match &= pos[:, :num_pos] < nd[:, None]
+    num_tokens = np.cumprod(match, axis=1).sum(axis=1, dtype=np.int64) + 1
     keep = pos < num_tokens[:, None]
-    result = AcceptanceResult(tokens, num_tokens, chosen.masked_fill(~keep, float("nan")))
+    tokens = np.where(keep, argmax, -1)
+    logprobs = compute_logprobs(logits)
+    rows_t = torch.from_numpy(rows).to(device)
+    chosen = logprobs[rows_t, torch.from_numpy(np.maximum(tokens, 0)).to(device)]
+    result = AcceptanceResult(
+        torch.from_numpy(tokens).to(device), torch.from_numpy(num_tokens).to(device),
+        chosen.masked_fill(torch.from_numpy(~keep).to(device), float("nan")))
     if num_top_logprobs > 0:
         ids, values = top_logprobs(logprobs, num_top_logprobs)
-        result.top_ids, result.top_values = ids[rows], values[rows]
+        result.top_ids, result.top_values = ids[rows_t], values[rows_t]
     return result
 
 

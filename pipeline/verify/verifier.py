@@ -11,6 +11,7 @@ so ranks never need to exchange acceptance results. Block decisions are not exch
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -110,14 +111,16 @@ class Verifier:
             return None
         start = time.perf_counter()
         rids = [chunks[i][0] for i in done] + plan.decode
-        logits = [logits[i] for i in done] + logits[len(chunks):]
+        if len(done) < len(chunks):  # drop the rows of chunks that did not end their prompts
+            keep = done + list(range(len(chunks), logits.shape[0]))
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
         params = [self._params[rid] for rid in rids]
         all_drafts = [[] for _ in done] + drafts
         outcome = StepOutcome(plan.step, [], [], [], cached=cached)
         if rids:
             q = self._draft_probs(proposal, all_drafts, len(done))
             allowed = self.grammars.masks(rids, all_drafts, max(len(d) for d in all_drafts) + 1,
-                                          logits[0].shape[-1])
+                                          logits.shape[-1])
             result = _accept(logits, all_drafts, params, positions, q, self.generator, allowed)
             outcome = _outcome(plan.step, rids, plan.traceparent, result, all_drafts, params,
                                hits, len(plan.decode))
@@ -155,9 +158,9 @@ class Verifier:
         return [list(tokens[:n]) for tokens, n in zip(proposal.tokens, limits)]
 
     def _forward(self, plan: StepPlan, chunks: list[tuple[str, list[int], int, int]],
-                 drafts: list[list[int]]) -> tuple[list[torch.Tensor], float | None]:
-        """Logits per run in forward order: [1, V] per prefill chunk, [1 + k_i, V] per verify;
-        and the seconds the forward took when it held decodes only (None with a prefill: that
+                 drafts: list[list[int]]) -> tuple[torch.Tensor, float | None]:
+        """The logits of the runs in forward order, packed [N, V]: 1 row per prefill chunk,
+        1 + k_i per verify; and the seconds the forward took when it held decodes only (None with a prefill: that
         time is not what the decodes cost).
 
         One forward for prefill chunks and decodes alike: a forward's fixed cost (every weight
@@ -173,7 +176,7 @@ class Verifier:
         runs += [[last] + d for last, d in zip(plan.last_tokens, drafts)]
         start = time.perf_counter()
         logits = self.runner.forward(slots, runs, last_only=[True] * len(chunks)
-                                     + [False] * len(plan.decode))
+                                     + [False] * len(plan.decode), packed=True)
         seconds = time.perf_counter() - start
         for slot in slots[: len(chunks)]:  # prompt tokens are committed: full blocks cacheable
             self.runner.truncate(slot, self.runner.length(slot))
@@ -194,23 +197,26 @@ class Verifier:
         return q
 
 
-def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[SamplingParams],
+def _accept(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
             positions: list[int], q: torch.Tensor | None,
             generator: torch.Generator | None, allowed: np.ndarray | None) -> AcceptanceResult:
-    width = max(len(d) for d in drafts)
-    batch, vocab = len(drafts), logits[0].shape[-1]
-    device = logits[0].device  # acceptance runs where the logits are (GPU or CPU)
-    draft_ids = torch.zeros((batch, width), dtype=torch.int64)
-    for i, d in enumerate(drafts):
-        draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
-    draft_ids = draft_ids.to(device)
-    num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)
+    """Acceptance over the packed logits [N, V] (run i's 1 + len(drafts[i]) rows in order)."""
+    lens = [len(d) for d in drafts]
+    width = max(lens)
+    batch, vocab = len(drafts), logits.shape[-1]
+    device = logits.device  # acceptance runs where the logits are (GPU or CPU)
+    # the padded draft ids built in numpy: a torch.tensor per row costs microseconds each
+    ids = np.zeros((batch, width), dtype=np.int64)
+    if width:
+        ids[np.repeat(np.arange(batch), lens), _within(lens)] = np.fromiter(
+            itertools.chain.from_iterable(drafts), dtype=np.int64, count=sum(lens))
+    draft_ids = torch.from_numpy(ids).to(device)
+    num_drafts = torch.from_numpy(np.array(lens, dtype=np.int64)).to(device)
     top_n = max((p.logprobs or 0 for p in params), default=0)
     if allowed is None and all(p.greedy for p in params):
-        packed = logits[0] if len(logits) == 1 else torch.cat(logits)
-        return accept_greedy_packed(draft_ids, num_drafts, packed, top_n)
+        return accept_greedy_packed(draft_ids, num_drafts, logits, top_n)
     padded = torch.zeros((batch, width + 1, vocab), device=device)
-    for i, lg in enumerate(logits):
+    for i, lg in enumerate(logits.split([n + 1 for n in lens])):
         padded[i, : lg.shape[0]] = lg
     sampling = SamplingTensors.from_params(params, device)
     mask = None if allowed is None else torch.from_numpy(allowed).to(device)
@@ -221,9 +227,9 @@ def _accept(logits: list[torch.Tensor], drafts: list[list[int]], params: list[Sa
 def _outcome(step: int, rids: list[str], traceparent: str | None, result: AcceptanceResult,
              drafts: list[list[int]], params: list[SamplingParams], hits: list[int],
              num_decode: int) -> StepOutcome:
-    lengths = result.num_tokens.cpu().numpy().astype(np.int64)
+    lengths = result.num_tokens.cpu().numpy().astype(np.int64, copy=False)
     keep = np.arange(result.token_ids.shape[1])[None, :] < lengths[:, None]
-    tokens = result.token_ids.cpu().numpy()[keep].astype(np.int64)
+    tokens = result.token_ids.cpu().numpy()[keep].astype(np.int64, copy=False)
     top_n = top_ids = top_lps = None
     tn = [p.logprobs or 0 for p in params]
     if any(tn):  # each request gets its own N of the step's max-N top-logprobs
@@ -238,13 +244,20 @@ def _outcome(step: int, rids: list[str], traceparent: str | None, result: Accept
     cols = StepColumns(
         step=step, rids=rids, lengths=lengths,
         drafted=np.array([len(d) for d in drafts], dtype=np.int64), tokens=tokens,
-        logprobs=result.logprobs.cpu().numpy()[keep].astype(np.float64),
+        logprobs=result.logprobs.cpu().numpy()[keep].astype(np.float64, copy=False),
         top_n=top_n, top_ids=top_ids, top_logprobs=top_lps,
         traceparent=traceparent, time=time.time(),
         # a step that ends prefills tells the output stage what the prefix cache served them
         # (its spans): per row, prefills first
         cached=np.array(hits + [0] * num_decode, dtype=np.int64) if hits else None,
     )
-    token_lists = [t.tolist() for t in np.split(tokens, np.cumsum(lengths)[:-1])]
+    flat, ends = tokens.tolist(), np.cumsum(lengths).tolist()  # slices of one list: no
+    token_lists = [flat[e - n: e] for e, n in zip(ends, lengths.tolist())]  # array per row
     return StepOutcome(step=step, rids=rids, tokens=token_lists,
                        drafted=[len(d) for d in drafts], payload=encode_columns(cols))
+
+
+def _within(lens: list[int]) -> np.ndarray:
+    """Each element's index within its run, runs of `lens` laid end to end."""
+    n = np.array(lens, dtype=np.int64)
+    return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)

@@ -111,7 +111,9 @@ class SpecController:
         may still produce (see `drain_plan`)."""
         s = self.settings
         caps = [max(0, min(s.num_speculative_tokens, c)) for c in caps]
-        if s.mode == "fixed" or not rids:
+        # An engine that never drafts (`draft: none`) has only k = 0 to choose: no plan, so no
+        # step-cost fit (a 4x4 least squares a step, a fifth of a batch-1 step's engine time).
+        if s.mode == "fixed" or not rids or s.num_speculative_tokens == 0:
             self._planned = _Planned("fixed", rids, caps, caps) if rids else None
             return caps
         accs = [self._state(r) for r in rids]
@@ -190,9 +192,10 @@ class SpecController:
     def min_gains(self, rids: list[str], pinned: list[bool] | None = None) -> list[float]:
         """Per request, the least confidence a scored draft needs to be verified this step (call
         after `choose`): the break-even gain over the request's calibration. 0 (keep every
-        draft) in fixed mode, for pinned requests and in a step that measures its class's rows."""
+        draft) in fixed mode or with no drafts at all, for pinned requests and in a step that
+        measures its class's rows."""
         s = self.settings
-        if s.mode == "fixed" or self._exploring:
+        if s.mode == "fixed" or self._exploring or s.num_speculative_tokens == 0:
             return [0.0] * len(rids)
         pool = self.pool.calibration(1.0, s.prior_weight)
         out = []
