@@ -47,3 +47,13 @@ class Proposer(ABC):
         """A request ended; `tokens` its last step's, never committed. Only a proposer that
         learns from finished outputs needs them."""
         self.remove(rid)
+
+    def requests(self) -> list[str]:
+        """The requests being tracked ([] for a proposer that keeps nothing per request)."""
+        return []
+
+    def reset(self) -> None:
+        """Forget every request: the engine failed them all and their ids may come back. What
+        was learnt across requests (a shared index, a prefix cache) may stay."""
+        for rid in self.requests():
+            self.remove(rid)

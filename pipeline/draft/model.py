@@ -108,6 +108,9 @@ class DraftModelProposer(Proposer):
         s.cached = keep
         s.drafted = []
 
+    def requests(self) -> list[str]:
+        return list(self._seqs)
+
     def remove(self, rid: str) -> None:
         s = self._seqs.pop(rid, None)
         if s is not None:

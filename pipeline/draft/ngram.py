@@ -33,6 +33,9 @@ class NgramProposer(Proposer):
     def commit(self, rid: str, tokens: list[int]) -> None:
         self._seqs[rid].extend(tokens)
 
+    def requests(self) -> list[str]:
+        return list(self._seqs)
+
     def remove(self, rid: str) -> None:
         self._seqs.pop(rid, None)
 

@@ -48,6 +48,14 @@ def draft_step(proposer: Proposer, plan: StepPlan,
     return proposal
 
 
+def reset_draft(proposer: Proposer, grammars: GrammarTracker | None = None) -> None:
+    """Forget every request the draft side knows (the engine failed them all): the next plan
+    may register any of their ids again."""
+    proposer.reset()
+    if grammars is not None:
+        grammars.reset()
+
+
 def keep_confident(proposal: Proposal, min_gains: list[float]) -> list[list[int]]:
     """Each request's drafts up to the last one whose confidence is at least its floor
     (confidence never grows along a draft, so this is a prefix)."""

@@ -111,6 +111,9 @@ class SuffixProposer(Proposer):
             req.index.extend(tokens[: req.index.capacity - req.index.end])
         self.remove(rid)
 
+    def requests(self) -> list[str]:
+        return list(self._seqs)
+
     def remove(self, rid: str) -> None:
         req = self._seqs.pop(rid, None)
         if req is None or req.index.end == req.num_prompt:  # nothing generated: nothing to learn

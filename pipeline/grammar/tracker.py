@@ -32,6 +32,10 @@ class GrammarTracker:
     def __bool__(self) -> bool:
         return bool(self._matchers)
 
+    def reset(self) -> None:
+        """Forget every request's matcher."""
+        self._matchers.clear()
+
     def apply(self, plan: StepPlan) -> None:
         """Release, register the plan's new constrained requests, feed the commits."""
         for rid in plan.release:

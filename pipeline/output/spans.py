@@ -93,6 +93,14 @@ class TracedOutputProcessor:
             self._end_request(rid, attrs)
         return out
 
+    def reset(self) -> int:
+        """Abort every running request (the engine failed them all; their ids may come back):
+        their spans end as aborts. Returns how many there were."""
+        rids = list(self._live)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
     def request_traceparent(self, rid: str) -> str | None:
         """W3C traceparent of a running request's span (for spans made about it elsewhere)."""
         live = self._live.get(rid)

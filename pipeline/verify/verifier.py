@@ -65,6 +65,19 @@ class Verifier:
             if slot is not None:
                 self.runner.free(slot)
 
+    def reset(self) -> int:
+        """Release every request (the engine failed them all; a new scheduler starts with every
+        slot free); the prefix cache stays (its KV is a function of the tokens alone). Returns
+        how many requests it held. Every rank resets in the same order: their block managers
+        stay identical."""
+        rids = list(dict.fromkeys([*self._slots, *self._prefilling, *self._params]))
+        self.release(rids)
+        self._num_output.clear()
+        self._hits.clear()
+        self.grammars.reset()
+        self.kv_digest = self.runner.cache.digest()
+        return len(rids)
+
     def step(self, plan: StepPlan, proposal: Proposal | None) -> StepOutcome | None:
         """Run one step; the driver returns its outcome (with the encoded message)."""
         self.release(plan.release)
