@@ -4,7 +4,7 @@ proposal bytes out: pipeline.protocol's msgpack, never a pickled object)."""
 from __future__ import annotations
 
 from pipeline.config import EngineConfig
-from pipeline.draft.step import build_proposer, draft_step
+from pipeline.draft.step import build_proposer, draft_step, reset_draft
 from pipeline.grammar.memory import set_memory_budget
 from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runners import load_engine_tokenizer, set_torch_threads
@@ -20,6 +20,11 @@ class DraftWorker:
 
     def propose(self, plan: bytes) -> bytes:
         return encode_proposal(draft_step(self.proposer, decode_plan(plan), self.grammars))
+
+    def reset(self) -> bool:
+        """Forget every request (kept across an engine rebuild that failed them)."""
+        reset_draft(self.proposer, self.grammars)
+        return True
 
     def ping(self) -> bool:
         return True

@@ -3,8 +3,9 @@
 `start_engine(config)` creates it; it creates its stage actors (a DraftWorker, one TargetVerifier
 per TP rank in a placement group, an OutputActor). A dead draft actor costs nothing: steps go on
 without drafts while a new one starts (actors.draft_stage). When another stage fails, in-flight
-requests end with EngineDeadError, the engine reports unhealthy, and it rebuilds its stage actors
-in the background; `health()` turns healthy again once the new ones are up.
+requests end with EngineDeadError, the engine reports unhealthy, and it rebuilds in the
+background: the stages that answer a reset are kept, the others replaced
+(pipeline.engine.stage_rebuild); `health()` turns healthy again once the new ones are up.
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ from typing import Any
 import ray
 
 from actors.draft_stage import RayDraft
-from actors.stage_actors import StageActors, create_stage_actors
+from actors.stage_actors import (
+    StageActors,
+    create_stage_actors,
+    replace_stages,
+    reset_survivors,
+)
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
 from pipeline.engine.draft_failover import step_with_draft
 from pipeline.engine.model_info import model_info
 from pipeline.engine.relay import OutputChannel, RelayMessage, request_sink
+from pipeline.engine.stage_rebuild import Replace
 from pipeline.engine.stage_resources import (
     engine_needs,
     live_stage_groups,
@@ -109,6 +116,12 @@ class RayStages:
     async def dropped_steps(self) -> int:
         return await self._call(self.actors.output.dropped_steps)
 
+    async def reset(self, timeout_s: float) -> Replace:
+        """After a failure: every stage forgets its requests; which did not answer within
+        `timeout_s` (a draft actor being replaced counts as not answering)."""
+        return await reset_survivors(self.actors, self._call, self.draft.failover.live,
+                                     timeout_s)
+
     async def ping(self) -> None:
         """Every verifier rank and the output actor answer (raises when one is gone); a dead
         draft actor is replaced instead."""
@@ -144,10 +157,16 @@ class Engine:
         tune_gc(self.config.gc_gen0_threshold)
         return await self.model_info()
 
-    async def _build(self) -> None:
+    async def _build(self, replace: Replace | None = None) -> None:
+        """Start the stage actors (`replace`: only those, the others of the failed build are
+        kept) and a new EngineCore over them."""
         self.builds += 1
         group = stage_group_name(self.actor_id, self.builds)
-        self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
+        if replace is None or self.actors is None:
+            self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
+        else:
+            self.actors = await replace_stages(self.config, self.actors, replace,
+                                               self._set_build_phase, group)
         self.build_phase = ""
         self.stages = RayStages(self.actors, self.config)
         # A rebuild keeps the step timings: the stall bound stays adapted (docs/reliability.md)
@@ -167,19 +186,28 @@ class Engine:
             self._rebuilding = asyncio.get_running_loop().create_task(self._rebuild())
 
     async def _rebuild(self) -> None:
-        """Replace every stage actor (KV caches are gone anyway) after a failure."""
+        """After a failure, replace the stage actors that do not answer a reset; the kept ones
+        forget the failed requests (the new core's scheduler starts empty)."""
         if self.core is not None:
             self.past_stalls += self.core.stats.stalls
         try:
-            if self.actors is not None:
-                await self.actors.flush_telemetry()  # the replaced output actor's spans
-                self.actors.kill()
-            await self._build()
+            replace = await self._survivors()
+            await self._build(replace)
             self.restarts += 1
         except Exception:  # stays unhealthy; the reason is in health()
             log.exception("engine rebuild failed")
         finally:
             self._rebuilding = None
+
+    async def _survivors(self) -> Replace | None:
+        """Reset every stage of the failed build; which to replace (None: no build yet)."""
+        if self.actors is None or self.stages is None:
+            return None
+        self.build_phase = "resetting the surviving stage actors"
+        replace = await self.stages.reset(self.config.step_timeout_floor_s)
+        log.warning("engine rebuild: replacing %s", replace.describe())
+        self.build_phase = f"replacing: {replace.describe()}"
+        return replace
 
     async def submit(self, call: EngineCall, channel: str,
                      ended: asyncio.Future | None = None) -> None:

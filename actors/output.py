@@ -39,6 +39,11 @@ class OutputActor:
         out = self.processor.abort(rid)
         return encode_deltas([] if out is None else [out])
 
+    def reset(self) -> int:
+        """Abort every request without output (kept across an engine rebuild that failed
+        them); how many there were."""
+        return self.processor.reset()
+
     def dropped_steps(self) -> int:
         return int(self.processor.dropped_steps)
 

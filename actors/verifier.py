@@ -56,5 +56,9 @@ class TargetVerifier:
             return encode_rank_report(self.verifier.report(step.step, self.rank)), None
         return encode_outcome(outcome), outcome.payload
 
+    def reset(self) -> int:
+        """Release every request (kept across an engine rebuild that failed them)."""
+        return self.verifier.reset()
+
     def ping(self) -> bool:
         return True
