@@ -2,8 +2,9 @@
 the streaming `generate` (TP=1 drafts with a draft model at fixed k, so drafts are verified
 whatever the measured step costs; TP=2 drafts n-grams at adaptive k, its prompts chunked by a
 small step budget); abort; a killed draft actor costs nothing (requests in flight complete with
-target-only output, a new draft actor takes over and drafts again); a killed verifier rank fails
-in-flight requests quickly, the engine reports unhealthy, then rebuilds its stage actors."""
+target-only output, a new draft actor takes over and drafts again); a killed verifier rank or output
+actor fails in-flight requests quickly, the engine reports unhealthy, then replaces only what
+must be replaced (the verifier ranks, or the output actor) and keeps the other stages."""
 
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ async def _kill_during_generation(handle, which: str) -> tuple[list, float]:
 
     client = EngineClient(handle)
     actors = await handle.stage_actors.remote()
-    victim = actors["draft"] if which == "draft" else actors["verifiers"][1]
+    victim = {"draft": actors["draft"], "verifier": actors["verifiers"][-1],
+              "output": actors["output"]}[which]
     params = LONG
     started = [asyncio.Event() for _ in range(3)]
 
@@ -250,19 +252,53 @@ def test_killed_draft_actor_costs_nothing_and_a_new_one_drafts_again(engines):
     assert stats["restarts"] == 0 and stats["draft_losses"] == 2
 
 
-@pytest.mark.parametrize(("tp", "which"), [("tp2", "verifier")])
-def test_killed_stage_actor_fails_requests_fast_then_engine_rebuilds(engines, tp, which):
+def _actor_ids(actors: dict) -> dict:
+    return {"draft": actors["draft"]._actor_id, "output": actors["output"]._actor_id,
+            "verifiers": [v._actor_id for v in actors["verifiers"]]}
+
+
+@pytest.mark.parametrize(("tp", "which"), [("tp1", "verifier"), ("tp2", "verifier"),
+                                           ("tp2", "output")])
+def test_killed_stage_actor_fails_requests_fast_then_engine_replaces_only_it(engines, reference,
+                                                                            tp, which):
+    """A dead verifier rank or output actor ends the requests in flight with EngineDeadError;
+    the rebuild keeps the stages that survived (every rank is replaced when one dies), they
+    forget the failed requests (their ids serve again), and greedy output is target-only."""
     handle = engines[tp]
+    restarts = asyncio.run(EngineClient(handle).stats())["restarts"]
+    before = _actor_ids(ray_get(handle.stage_actors.remote()))
     results, elapsed = asyncio.run(_kill_during_generation(handle, which))
+    t_kill = time.monotonic() - elapsed
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert elapsed < 10
     health = asyncio.run(EngineClient(handle).health())
     assert health["healthy"] is False and health["reason"]
-    # The engine replaces its stage actors and serves again.
     assert _wait_healthy(handle)["healthy"]
-    out = _run_batch(handle, [("after", PROMPTS[1], SamplingParams(max_new_tokens=5))])
-    assert len(ids(out["after"])) == 5
-    assert asyncio.run(EngineClient(handle).stats())["restarts"] == 1
+    print(f"{tp} {which} kill: healthy again {time.monotonic() - t_kill:.2f}s after it")
+    after = _actor_ids(ray_get(handle.stage_actors.remote()))
+    assert after["draft"] == before["draft"]
+    if which == "verifier":
+        assert after["output"] == before["output"]
+        assert not set(after["verifiers"]) & set(before["verifiers"])
+    else:
+        assert after["verifiers"] == before["verifiers"] and after["output"] != before["output"]
+    # the failed requests' ids are free everywhere: the kept stages forgot them
+    requests = [(f"k{which}{i}", PROMPTS[i], SamplingParams(max_new_tokens=20 + 5 * i))
+                for i in range(3)]
+    out = _run_batch(handle, requests)
+    for rid, prompt, params in requests:
+        assert ids(out[rid]) == expected_cut(reference[PROMPTS.index(prompt)], params)[0], rid
+    deadline = time.monotonic() + 10  # the last release plan runs a step after the finish
+    while (stats := asyncio.run(EngineClient(handle).stats()))["free_slots"] < stats["num_slots"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    assert stats["restarts"] == restarts + 1 and stats["healthy"]
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref, timeout=30)
 
 
 def test_generate_cli_prints_completions_finish_and_spec_stats(ray_cluster, capsys):
