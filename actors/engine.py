@@ -182,7 +182,7 @@ class Engine:
     def _on_loop_end(self, core: EngineCore) -> None:
         # Also after core.fail() (a failed health ping or registration) cancelled the loop.
         if core is self.core and core.dead_reason is not None and self._rebuilding is None:
-            self.build_phase = "stopping the failed stage actors"
+            self.build_phase = "resetting the stage actors"
             self._rebuilding = asyncio.get_running_loop().create_task(self._rebuild())
 
     async def _rebuild(self) -> None:
@@ -203,7 +203,7 @@ class Engine:
         """Reset every stage of the failed build; which to replace (None: no build yet)."""
         if self.actors is None or self.stages is None:
             return None
-        self.build_phase = "resetting the surviving stage actors"
+        self.build_phase = "resetting the stage actors"
         replace = await self.stages.reset(self.config.step_timeout_floor_s)
         log.warning("engine rebuild: replacing %s", replace.describe())
         self.build_phase = f"replacing: {replace.describe()}"
