@@ -162,11 +162,13 @@ class Engine:
         kept) and a new EngineCore over them."""
         self.builds += 1
         group = stage_group_name(self.actor_id, self.builds)
-        if replace is None or self.actors is None:
-            self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
-        else:
+        if replace is not None and not replace.everything and self.actors is not None:
             self.actors = await replace_stages(self.config, self.actors, replace,
                                                self._set_build_phase, group)
+        else:
+            if self.actors is not None:  # nothing answered its reset
+                self.actors.kill()
+            self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
         self.build_phase = ""
         self.stages = RayStages(self.actors, self.config)
         # A rebuild keeps the step timings: the stall bound stays adapted (docs/reliability.md)

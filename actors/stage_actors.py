@@ -79,9 +79,6 @@ async def replace_stages(config: EngineConfig, old: StageActors, replace: Replac
     """The stage actors of the next build: `old`'s that are kept (already reset), new ones for
     the rest. New verifier ranks go into `old`'s placement group while it stands (their
     predecessors' bundles are freed by the kill), else into a new one named `group_name`."""
-    if replace.everything:
-        old.kill()
-        return await create_stage_actors(config, report, group_name)
     old.closed = True  # its draft replacements (if any) stop; the kept actors live on
     gone = [*old.starting, *([old.draft] if replace.draft else []),
             *(old.verifiers if replace.verifiers else []), *([old.output] if replace.output else [])]

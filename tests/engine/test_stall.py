@@ -83,6 +83,7 @@ def test_the_engine_actor_carries_the_stall_timings_into_its_rebuilt_core(monkey
 
     import actors.engine as engine_mod
     from pipeline.config import EngineConfig
+    from pipeline.engine.stage_rebuild import Replace
 
     class FakeActors:
         def __init__(self):
@@ -100,7 +101,11 @@ def test_the_engine_actor_carries_the_stall_timings_into_its_rebuilt_core(monkey
         groups.append(group_name)
         return FakeActors()
 
+    async def nothing_answers(*_args):
+        return Replace(draft=True, verifiers=True, output=True)
+
     monkeypatch.setattr(engine_mod, "create_stage_actors", fake_create)
+    monkeypatch.setattr(engine_mod, "reset_survivors", nothing_answers)  # all rebuilt
     config = EngineConfig()
     assert (config.step_timeout_floor_s, config.step_timeout_p99_multiple) == (5.0, 10.0)
 
