@@ -18,6 +18,7 @@ from support.reference_decode import greedy_reference
 from actors.engine import start_engine, stop_engine
 from actors.engine_client import EngineClient
 from pipeline.config import load_config
+from pipeline.engine.stage_resources import live_stage_groups
 from pipeline.errors import EngineDeadError
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
@@ -267,6 +268,8 @@ def test_killed_stage_actor_fails_requests_fast_then_engine_replaces_only_it(eng
     handle = engines[tp]
     restarts = asyncio.run(EngineClient(handle).stats())["restarts"]
     before = _actor_ids(ray_get(handle.stage_actors.remote()))
+    groups = _stage_groups(handle)
+    assert len(groups) == 1
     results, elapsed = asyncio.run(_kill_during_generation(handle, which))
     t_kill = time.monotonic() - elapsed
     assert all(isinstance(r, EngineDeadError) for r in results), results
@@ -282,6 +285,8 @@ def test_killed_stage_actor_fails_requests_fast_then_engine_replaces_only_it(eng
         assert not set(after["verifiers"]) & set(before["verifiers"])
     else:
         assert after["verifiers"] == before["verifiers"] and after["output"] != before["output"]
+    # new ranks went into the standing placement group, the only one the engine holds
+    assert _stage_groups(handle) == groups
     # the failed requests' ids are free everywhere: the kept stages forgot them
     requests = [(f"k{which}{i}", PROMPTS[i], SamplingParams(max_new_tokens=20 + 5 * i))
                 for i in range(3)]
@@ -293,6 +298,12 @@ def test_killed_stage_actor_fails_requests_fast_then_engine_replaces_only_it(eng
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
     assert stats["restarts"] == restarts + 1 and stats["healthy"]
+
+
+def _stage_groups(handle) -> list[str]:
+    import ray
+
+    return live_stage_groups(ray.util.placement_group_table(), handle._actor_id.hex())
 
 
 def ray_get(ref):
