@@ -171,6 +171,18 @@ class RayStages:
         """Every stage actor answers (raises when one is gone)."""
         await asyncio.gather(*(self._call(a.ping) for a in self.actors.all))
 
+    async def close(self) -> None:
+        """Before the stage actors are killed (CompiledStages tears its graph down)."""
+
+
+def make_stages(actors: StageActors, config: EngineConfig) -> RayStages:
+    """The stages over `actors` in `config.step_transport`; call it on the step loop."""
+    if config.step_transport == "compiled":
+        from actors.compiled_stages import CompiledStages  # lazy: ray.dag is only needed here
+
+        return CompiledStages(actors, config)
+    return RayStages(actors)
+
 
 class Engine:
     """The engine actor (API used by the HTTP front end through actors.engine_client)."""
@@ -203,7 +215,7 @@ class Engine:
         group = stage_group_name(self.actor_id, self.builds)
         self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
         self.build_phase = ""
-        self.stages = RayStages(self.actors)
+        self.stages = make_stages(self.actors, self.config)  # compiles a graph: on this loop
         # A rebuild keeps the step timings: the stall bound stays adapted (docs/reliability.md)
         stall = self.core.stall.carry_over() if self.core is not None else None
         core = EngineCore(self.config, self.stages, self.actors.info["vocab_size"], self.tracer,
@@ -227,6 +239,8 @@ class Engine:
         try:
             if self.actors is not None:
                 await self.actors.flush_telemetry()  # the replaced output actor's spans
+                if self.stages is not None:
+                    await self.stages.close()  # a compiled graph goes before its actors
                 self.actors.kill()
             await self._build()
             self.restarts += 1
@@ -324,6 +338,8 @@ class Engine:
             await self.core.stop()
         if self.actors is not None:
             await self.actors.flush_telemetry()
+            if self.stages is not None:
+                await self.stages.close()
             self.actors.kill()
         await asyncio.to_thread(flush_tracing)
 
