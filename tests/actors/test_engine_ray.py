@@ -8,10 +8,10 @@ rebuilds its stage actors."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from support.engine_cases import PROMPTS, expected_cut, ids, mixed_requests
+from support.ray_engine import kill_during_generation, run_batch, wait_healthy
 from support.reference_decode import greedy_reference
 
 from actors.engine import start_engine, stop_engine
@@ -47,22 +47,10 @@ def engines(ray_cluster):
         stop_engine(h)
 
 
-async def _collect(client: EngineClient, rid: str, prompt: list[int], params: SamplingParams):
-    return [d async for d in client.generate(EngineCall(rid, prompt, params))]
-
-
-def _run_batch(handle, requests):
-    async def main():
-        client = EngineClient(handle)
-        return await asyncio.gather(*(_collect(client, *r) for r in requests))
-
-    return dict(zip([r[0] for r in requests], asyncio.run(main())))
-
-
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
 def test_ray_engine_greedy_equals_target_only(engines, reference, tp):
     requests = mixed_requests(8)
-    out = _run_batch(engines[tp], requests)
+    out = run_batch(engines[tp], requests)
     for rid, prompt, params in requests:
         want_ids, want_text = expected_cut(reference[PROMPTS.index(prompt)], params)
         deltas = out[rid]
@@ -141,54 +129,17 @@ def test_ray_full_queue_raises_overloaded_and_aborts_free_everything(engines):
     assert stats["free_slots"] == 8 and stats["waiting"] == 0 and stats["healthy"]
 
 
-async def _kill_during_generation(handle, which: str) -> tuple[list, float]:
-    """Three long requests; once each has streamed a delta, kill one stage actor."""
-    import ray
-
-    client = EngineClient(handle)
-    actors = await handle.stage_actors.remote()
-    victim = actors["draft"] if which == "draft" else actors["verifiers"][1]
-    params = SamplingParams(max_new_tokens=240, ignore_eos=True)
-    started = [asyncio.Event() for _ in range(3)]
-
-    async def consume(i: int) -> list:
-        got = []
-        async for d in client.generate(EngineCall(f"k{which}{i}", PROMPTS[i], params)):
-            got.append(d)
-            started[i].set()
-        return got
-
-    tasks = [asyncio.ensure_future(consume(i)) for i in range(3)]
-    for event in started:
-        await event.wait()
-    ray.kill(victim, no_restart=True)
-    t0 = time.monotonic()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    return results, time.monotonic() - t0
-
-
-def _wait_healthy(handle, timeout: float = 90.0) -> dict:
-    client = EngineClient(handle)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        health = asyncio.run(client.health())
-        if health["healthy"]:
-            return health
-        time.sleep(0.5)
-    return health
-
-
 @pytest.mark.parametrize(("tp", "which"), [("tp1", "draft"), ("tp2", "verifier")])
 def test_killed_stage_actor_fails_requests_fast_then_engine_rebuilds(engines, tp, which):
     handle = engines[tp]
-    results, elapsed = asyncio.run(_kill_during_generation(handle, which))
+    results, elapsed = asyncio.run(kill_during_generation(handle, which))
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert elapsed < 10
     health = asyncio.run(EngineClient(handle).health())
     assert health["healthy"] is False and health["reason"]
     # The engine replaces its stage actors and serves again.
-    assert _wait_healthy(handle)["healthy"]
-    out = _run_batch(handle, [("after", PROMPTS[1], SamplingParams(max_new_tokens=5))])
+    assert wait_healthy(handle)["healthy"]
+    out = run_batch(handle, [("after", PROMPTS[1], SamplingParams(max_new_tokens=5))])
     assert len(ids(out["after"])) == 5
     assert asyncio.run(EngineClient(handle).stats())["restarts"] == 1
 
