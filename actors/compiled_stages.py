@@ -24,11 +24,14 @@ Ray's limits, and how they are met:
   most one step in flight (it reads step s's outcome before it plans step s + 1), so
   MAX_INFLIGHT has one to spare.
 - Ray's submit/get timeouts (10 s by default) are raised past `step_timeout_s`, so a slow but
-  alive step is ended by the engine's stall bound, never earlier by Ray.
-- a stage actor's death tears the graph down (Ray's monitor thread); the pending execution then
-  fails within milliseconds, with an unhelpful error (a RayChannelError, or a TypeError about
-  one), which is raised here as EngineDeadError: the engine fails its requests and rebuilds its
-  stages, and the rebuild compiles a new graph.
+  alive step is ended by the engine's stall bound, never earlier by Ray (with asyncio, Ray 2.60
+  reads a result without a deadline, in 0.1 s polls; buffer releases still use get_timeout).
+- a stage actor's death tears the graph down (Ray's monitor thread), but the pending
+  execution may never end: the monitor cancels the asyncio reader from its own thread. So each
+  step also waits on the actors' execution loops (`watch_actor_loops`); a loop that ends fails
+  the step at once with EngineDeadError, the engine fails its requests and rebuilds its stages,
+  and the rebuild compiles a new graph (before the old stage actors are killed, `close` tears
+  the old graph down).
 """
 
 from __future__ import annotations
