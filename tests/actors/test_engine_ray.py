@@ -1,9 +1,10 @@
-"""The engine on Ray: TP=1 and TP=2 (two verifier actors) give target-only greedy output through
-the streaming `generate` (TP=1 drafts with a draft model at fixed k, so drafts are verified
-whatever the measured step costs; TP=2 drafts n-grams at adaptive k, its prompts chunked by a
-small step budget); abort; a killed draft
-actor or verifier rank fails in-flight requests quickly, the engine reports unhealthy, then
-rebuilds its stage actors."""
+"""The engine on Ray over plain actor calls (`step_transport: calls`; the default, compiled,
+has the same tests in test_engine_ray_compiled.py): TP=1 and TP=2 (two verifier actors) give
+target-only greedy output through the streaming `generate` (TP=1 drafts with a draft model at
+fixed k, so drafts are verified whatever the measured step costs; TP=2 drafts n-grams at
+adaptive k, its prompts chunked by a small step budget); abort; a killed draft actor or verifier
+rank fails in-flight requests quickly, the engine reports unhealthy, then rebuilds its stage
+actors."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from pipeline.protocol.engine_call import EngineCall
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
+CALLS = {"step_transport": "calls"}
+
 
 @pytest.fixture(scope="module")
 def reference() -> dict[int, list[int]]:
@@ -36,10 +39,10 @@ def engines(ray_cluster):
     handles = {
         # Adaptive k may rightly draft nothing here: the tiny draft model costs what the target
         # does, and on a slow machine no draft pays at batch 8.
-        "tp1": start_engine(load_config("configs/tiny.yaml", {"speculation": "fixed"})),
+        "tp1": start_engine(load_config("configs/tiny.yaml", {**CALLS, "speculation": "fixed"})),
         # TP=2 with a small chunk budget: prompts over it are prefilled in chunks that both
         # ranks take from the plan
-        "tp2": start_engine(load_config("configs/tiny-tp2.yaml", {"draft": "ngram",
+        "tp2": start_engine(load_config("configs/tiny-tp2.yaml", {**CALLS, "draft": "ngram",
                                                                   "max_num_batched_tokens": 24})),
     }
     yield handles
