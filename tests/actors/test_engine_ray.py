@@ -1,7 +1,7 @@
-"""The engine on Ray over plain actor calls (`step_transport: calls`; the default, compiled,
-has the same tests in test_engine_ray_compiled.py): TP=1 and TP=2 (two verifier actors) give
-target-only greedy output through the streaming `generate` (TP=1 drafts with a draft model at
-fixed k, so drafts are verified whatever the measured step costs; TP=2 drafts n-grams at
+"""The engine on Ray over plain actor calls (`step_transport: calls`, the default; the compiled
+transport has the same tests in test_engine_ray_compiled.py): TP=1 and TP=2 (two verifier
+actors) give target-only greedy output through the streaming `generate` (TP=1 drafts with a draft
+model at fixed k, so drafts are verified whatever the measured step costs; TP=2 drafts n-grams at
 adaptive k, its prompts chunked by a small step budget); abort; a killed draft actor or verifier
 rank fails in-flight requests quickly, the engine reports unhealthy, then rebuilds its stage
 actors."""

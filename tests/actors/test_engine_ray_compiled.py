@@ -1,10 +1,9 @@
-"""The engine on Ray with `step_transport: compiled` (the default; actors/compiled_stages.py; the
-plain-call transport has the same tests in test_engine_ray.py): each step is
-one execution of a compiled graph (draft -> every verifier rank). Greedy output equals target
-only's at TP=1 (a draft model at fixed k) and TP=2 (n-grams, prompts chunked); abort frees the
-slots; a killed draft actor or verifier rank fails the in-flight requests within seconds with
-the graph's error, and the engine rebuilds its stages, recompiles the graph and serves the same
-greedy output again."""
+"""The engine on Ray with `step_transport: compiled` (actors/compiled_stages.py; the plain-call
+transport has the same tests in test_engine_ray.py): each step is one execution of a compiled
+graph (draft -> every verifier rank). Greedy output equals target only's at TP=1 (a draft model
+at fixed k) and TP=2 (n-grams, prompts chunked); abort frees the slots; a killed draft actor or
+verifier rank fails the in-flight requests within seconds with the graph's error, and the engine
+rebuilds its stages, recompiles the graph and serves the same greedy output again."""
 
 from __future__ import annotations
 
