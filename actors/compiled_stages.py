@@ -16,22 +16,23 @@ tensors would mark those edges `with_tensor_transport("nccl")` instead.
 
 Ray's limits, and how they are met:
 - only the process that compiled a graph may execute it, and execute is not thread-safe: the
-  engine's step loop is the only caller (compiled in Engine._build on that loop); add_request,
-  abort, dropped_steps, ping and process stay plain actor calls. A stage actor in a graph still
-  answers plain calls, on its main thread, while the graph runs its methods on Ray's
-  `_ray_system` thread; the draft and verifier actors get only `ping` that way.
+  graph is executed from one thread of its own (a one-worker executor), only for the engine's
+  step loop; add_request, abort, dropped_steps, ping and process stay plain actor calls. A
+  stage actor in a graph still answers plain calls, on its main thread, while the graph runs its
+  methods on Ray's `_ray_system` thread; the draft and verifier actors get only `ping` that way.
+- not `enable_asyncio`: its writer retries a timed-out write whole, which desynchronises a
+  channel with readers on two nodes (see compile_step_graph); the blocking execute and read run
+  on that thread instead, off the event loop.
 - an execution is refused once `_max_inflight_executions` have not been read; the loop keeps at
   most one step in flight (it reads step s's outcome before it plans step s + 1), so
   MAX_INFLIGHT has one to spare.
 - Ray's submit/get timeouts (10 s by default) are raised past `step_timeout_s`, so a slow but
-  alive step is ended by the engine's stall bound, never earlier by Ray (with asyncio, Ray 2.60
-  reads a result without a deadline, in 0.1 s polls; buffer releases still use get_timeout).
-- a stage actor's death tears the graph down (Ray's monitor thread), but the pending
-  execution may never end: the monitor cancels the asyncio reader from its own thread. So each
-  step also waits on the actors' execution loops (`watch_actor_loops`); a loop that ends fails
-  the step at once with EngineDeadError, the engine fails its requests and rebuilds its stages,
-  and the rebuild compiles a new graph (before the old stage actors are killed, `close` tears
-  the old graph down).
+  alive step is ended by the engine's stall bound, never earlier by Ray.
+- a stage actor's death tears the graph down (Ray's monitor thread), but the pending read may
+  end only later. So each step also waits on the actors' execution loops
+  (`watch_actor_loops`); a loop that ends fails the step at once with EngineDeadError, the
+  engine fails its requests and rebuilds its stages, and the rebuild compiles a new graph
+  (before the old stage actors are killed, `close` tears the old graph down).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from actors.engine import RayStages, StageActors
@@ -75,7 +77,12 @@ def compile_step_graph(actors: StageActors, timeout_s: int) -> Any:
             # every output of a graph node must be read: a rank's None payload is too
             outputs.extend(verifier.verify.options(num_returns=2).bind(plan, proposal))
         dag = MultiOutputNode(outputs)
-    return dag.experimental_compile(enable_asyncio=True, _submit_timeout=timeout_s,
+    # Not enable_asyncio: Ray 2.60's asyncio writer writes each input with a 1 s timeout and
+    # retries the whole write when a channel times out; a plan for stages on two nodes is then
+    # written twice to the channel that had taken it (a remote reader slow to free its buffer),
+    # its reader falls out of step, and the next step hangs. The blocking writer waits up to
+    # `_submit_timeout` and never retries.
+    return dag.experimental_compile(_submit_timeout=timeout_s,
                                     _max_inflight_executions=MAX_INFLIGHT)
 
 
@@ -89,14 +96,15 @@ def set_ray_timeouts(timeout_s: int) -> None:
 
 
 class CompiledStages(RayStages):
-    """RayStages whose run_step executes the compiled step graph. Construct it on the event loop
-    that will call run_step (the graph's reader lives on that loop)."""
+    """RayStages whose run_step executes the compiled step graph, from one thread of its own:
+    Ray's execute is not thread-safe, and its blocking reads must not hold the event loop."""
 
     def __init__(self, actors: StageActors, config: EngineConfig) -> None:
         super().__init__(actors)
         timeout_s = ray_timeout_s(config)
         set_ray_timeouts(timeout_s)
         self._graph: Any = compile_step_graph(actors, timeout_s)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-graph")
         self._loop_ended = watch_actor_loops(self._graph)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
@@ -111,12 +119,11 @@ class CompiledStages(RayStages):
         """One execution's outputs; EngineDeadError when a stage raised or died."""
         if self._loop_ended.done():  # a stage died between steps
             raise EngineDeadError(graph_death(self._loop_ended))
-        results: asyncio.Future | None = None
+        results = asyncio.get_running_loop().run_in_executor(self._thread, _run, self._graph,
+                                                             plan)
         try:
-            futures = await self._graph.execute_async(plan)
-            results = asyncio.ensure_future(_read(futures))
             await asyncio.wait({results, self._loop_ended}, return_when=asyncio.FIRST_COMPLETED)
-            if not results.done():  # Ray tore the graph down without ending this execution
+            if not results.done():  # a stage died: Ray may not end this execution for a while
                 raise EngineDeadError(graph_death(self._loop_ended))
             return results.result()
         except EngineDeadError:
@@ -124,9 +131,6 @@ class CompiledStages(RayStages):
         except Exception as e:  # a stage raised, or the graph's reader saw it die
             raise EngineDeadError(f"compiled step graph failed: {type(e).__name__}: "
                                   f"{_first_line(e)}") from e
-        finally:
-            if results is not None and not results.done():  # abandoned (a stall, a death)
-                results.cancel()
 
     async def close(self) -> None:
         """Tear the graph down, before the stage actors are killed: the actors stay usable, and
@@ -141,13 +145,14 @@ class CompiledStages(RayStages):
         if not done:
             log.warning("compiled step graph teardown still running after %.0fs; killing the "
                         "stage actors", TEARDOWN_WAIT_S)
+        self._thread.shutdown(wait=False)  # a read the teardown closed ends on its own
 
 
 def watch_actor_loops(graph: Any) -> asyncio.Future:
     """Done when any actor's execution loop of `graph` ends: the actor died (or the graph was torn
-    down). Needed because Ray's monitor thread, when it tears a graph down after an actor's
-    death, cancels the asyncio reader from its own thread: the pending execution's result may
-    then never be set, and the step would hang until the stall bound."""
+    down). The step waits on it beside its read: after an actor's death Ray tears the graph down
+    from its monitor thread, and a pending read may end only much later (or, with asyncio
+    graphs, never: the monitor cancels their reader task from another thread)."""
     loops = [asyncio.wrap_future(ref.future()) for ref in graph.worker_task_refs.values()]
     for loop in loops:  # read here, so a teardown's errors are not logged as never retrieved
         loop.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -167,8 +172,9 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
-async def _read(futures: list[Any]) -> list[Any]:
-    return [await f for f in futures]
+def _run(graph: Any, plan: bytes) -> list[Any]:
+    """One execution: submit the plan, read every output (they arrive together)."""
+    return [ref.get() for ref in graph.execute(plan)]
 
 
 def _teardown(graph: Any) -> None:
