@@ -20,9 +20,10 @@ Ray's limits, and how they are met:
   step loop; add_request, abort, dropped_steps, ping and process stay plain actor calls. A
   stage actor in a graph still answers plain calls, on its main thread, while the graph runs its
   methods on Ray's `_ray_system` thread; the draft and verifier actors get only `ping` that way.
-- not `enable_asyncio`: its writer retries a timed-out write whole, which desynchronises a
+- not `enable_asyncio`: its writer retries a timed-out write whole, which can desynchronise a
   channel with readers on two nodes (see compile_step_graph); the blocking execute and read run
   on that thread instead, off the event loop.
+- stages on several nodes: not yet; the step after the first batch hangs (docs/reliability.md).
 - an execution is refused once `_max_inflight_executions` have not been read; the loop keeps at
   most one step in flight (it reads step s's outcome before it plans step s + 1), so
   MAX_INFLIGHT has one to spare.
@@ -78,10 +79,11 @@ def compile_step_graph(actors: StageActors, timeout_s: int) -> Any:
             outputs.extend(verifier.verify.options(num_returns=2).bind(plan, proposal))
         dag = MultiOutputNode(outputs)
     # Not enable_asyncio: Ray 2.60's asyncio writer writes each input with a 1 s timeout and
-    # retries the whole write when a channel times out; a plan for stages on two nodes is then
-    # written twice to the channel that had taken it (a remote reader slow to free its buffer),
-    # its reader falls out of step, and the next step hangs. The blocking writer waits up to
-    # `_submit_timeout` and never retries.
+    # retries the whole write when a channel times out (ray/experimental/channel/common.py); with
+    # readers on two nodes the retry writes the plan again to the channel that had taken it, and
+    # that reader falls out of step. The blocking writer waits up to `_submit_timeout` and never
+    # retries. (This was not the cause of the multi-node hang in docs/reliability.md, which
+    # remains.)
     return dag.experimental_compile(_submit_timeout=timeout_s,
                                     _max_inflight_executions=MAX_INFLIGHT)
 
