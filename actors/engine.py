@@ -129,6 +129,18 @@ class RayStages:
                                                             self.actors.output]),
                              self.draft.ping())
 
+    async def close(self) -> None:
+        """Before the stage actors are killed (CompiledStages tears its graph down)."""
+
+
+def make_stages(actors: StageActors, config: EngineConfig) -> RayStages:
+    """The stages over `actors` in `config.step_transport`; call it on the step loop."""
+    if config.step_transport == "compiled":
+        from actors.compiled_stages import CompiledStages  # lazy: ray.dag is only needed here
+
+        return CompiledStages(actors, config)
+    return RayStages(actors, config)
+
 
 class Engine:
     """The engine actor (API used by the HTTP front end through actors.engine_client)."""
@@ -170,7 +182,7 @@ class Engine:
                 self.actors.kill()
             self.actors = await create_stage_actors(self.config, self._set_build_phase, group)
         self.build_phase = ""
-        self.stages = RayStages(self.actors, self.config)
+        self.stages = make_stages(self.actors, self.config)  # compiles a graph: on this loop
         # A rebuild keeps the step timings: the stall bound stays adapted (docs/reliability.md)
         stall = self.core.stall.carry_over() if self.core is not None else None
         core = EngineCore(self.config, self.stages, self.actors.info["vocab_size"], self.tracer,
@@ -193,6 +205,8 @@ class Engine:
         if self.core is not None:
             self.past_stalls += self.core.stats.stalls
         try:
+            if self.stages is not None:
+                await self.stages.close()  # a compiled graph goes before resets and kills
             replace = await self._survivors()
             await self._build(replace)
             self.restarts += 1
@@ -318,6 +332,8 @@ class Engine:
             await self.core.stop()
         if self.actors is not None:
             await self.actors.flush_telemetry()
+            if self.stages is not None:
+                await self.stages.close()
             self.actors.kill()
         await asyncio.to_thread(flush_tracing)
 

@@ -23,6 +23,7 @@ BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHTS = ("quantized", "float")
 QUANTIZATIONS = ("int4",)
+STEP_TRANSPORTS = ("calls", "compiled")
 
 
 @dataclass
@@ -100,6 +101,11 @@ class EngineConfig:
     # are not refused (429) while fan-outs fill the queue. None: max_waiting // 4.
     reserved_waiting: int | None = None
     overlap: bool = True
+    # How the engine actor drives a step's stage actors: "calls" (an actor call per stage and
+    # step) or "compiled" (a Ray Compiled Graph, compiled once per stage build,
+    # actors/compiled_stages.py: ~2-3x less time per step on the tiny model on one node, but
+    # stages across nodes hang, docs/reliability.md). No effect on in-process engines.
+    step_transport: str = "calls"
     # Hang detection (pipeline.engine.stall): a step is stalled after
     # clamp(step_timeout_p99_multiple * recent p99 seconds/token * its tokens,
     #       step_timeout_floor_s, step_timeout_s); step_timeout_s alone until 16 steps are timed
@@ -187,6 +193,7 @@ class EngineConfig:
         check.choice("attention_backend", self.attention_backend, BACKENDS)
         check.choice("dtype", self.dtype, DTYPES)
         check.choice("weights", self.weights, WEIGHTS)
+        check.choice("step_transport", self.step_transport, STEP_TRANSPORTS)
         if self.quantization is not None:
             check.choice("quantization", self.quantization, QUANTIZATIONS)
             if self.device != "cpu":

@@ -13,6 +13,7 @@ import time
 
 import pytest
 from support.engine_cases import PROMPTS, expected_cut, ids, mixed_requests
+from support.ray_engine import kill_during_generation, run_batch, wait_healthy
 from support.reference_decode import greedy_reference
 
 from actors.engine import start_engine, stop_engine
@@ -49,22 +50,10 @@ def engines(ray_cluster):
         stop_engine(h)
 
 
-async def _collect(client: EngineClient, rid: str, prompt: list[int], params: SamplingParams):
-    return [d async for d in client.generate(EngineCall(rid, prompt, params))]
-
-
-def _run_batch(handle, requests):
-    async def main():
-        client = EngineClient(handle)
-        return await asyncio.gather(*(_collect(client, *r) for r in requests))
-
-    return dict(zip([r[0] for r in requests], asyncio.run(main())))
-
-
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
 def test_ray_engine_greedy_equals_target_only(engines, reference, tp):
     requests = mixed_requests(8)
-    out = _run_batch(engines[tp], requests)
+    out = run_batch(engines[tp], requests)
     for rid, prompt, params in requests:
         want_ids, want_text = expected_cut(reference[PROMPTS.index(prompt)], params)
         deltas = out[rid]
@@ -146,44 +135,6 @@ def test_ray_full_queue_raises_overloaded_and_aborts_free_everything(engines):
 LONG = SamplingParams(max_new_tokens=240, ignore_eos=True)
 
 
-async def _kill_during_generation(handle, which: str) -> tuple[list, float]:
-    """Three long requests; once each has streamed a delta, kill one stage actor."""
-    import ray
-
-    client = EngineClient(handle)
-    actors = await handle.stage_actors.remote()
-    victim = {"draft": actors["draft"], "verifier": actors["verifiers"][-1],
-              "output": actors["output"]}[which]
-    params = LONG
-    started = [asyncio.Event() for _ in range(3)]
-
-    async def consume(i: int) -> list:
-        got = []
-        async for d in client.generate(EngineCall(f"k{which}{i}", PROMPTS[i], params)):
-            got.append(d)
-            started[i].set()
-        return got
-
-    tasks = [asyncio.ensure_future(consume(i)) for i in range(3)]
-    for event in started:
-        await event.wait()
-    ray.kill(victim, no_restart=True)
-    t0 = time.monotonic()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    return results, time.monotonic() - t0
-
-
-def _wait_healthy(handle, timeout: float = 90.0) -> dict:
-    client = EngineClient(handle)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        health = asyncio.run(client.health())
-        if health["healthy"]:
-            return health
-        time.sleep(0.5)
-    return health
-
-
 async def _kill_the_draft_under_load(handle) -> tuple[dict, float]:
     """Kill the draft actor under three long requests, then start another long one every 0.3 s
     until the new draft actor answers: the last ones run across the swap (its catch-up)."""
@@ -238,7 +189,7 @@ def test_killed_draft_actor_costs_nothing_and_a_new_one_drafts_again(engines):
     print(f"{len(results)} requests; draft replaced after {stats['draft_downtime_s']:.2f}s; "
           f"all done {elapsed:.2f}s after the kill")
     # the new draft actor drafts (fixed k: every decode step asks for drafts)
-    _run_batch(handle, mixed_requests(8))
+    run_batch(handle, mixed_requests(8))
     after = asyncio.run(EngineClient(handle).stats())
     assert after["num_draft_tokens"] > stats["num_draft_tokens"] and after["restarts"] == 0
     assert ray.get(ray.get(handle.stage_actors.remote())["draft"].ping.remote())
@@ -270,13 +221,13 @@ def test_killed_stage_actor_fails_requests_fast_then_engine_replaces_only_it(eng
     before = _actor_ids(ray_get(handle.stage_actors.remote()))
     groups = _stage_groups(handle)
     assert len(groups) == 1
-    results, elapsed = asyncio.run(_kill_during_generation(handle, which))
+    results, elapsed = asyncio.run(kill_during_generation(handle, which))
     t_kill = time.monotonic() - elapsed
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert elapsed < 10
     health = asyncio.run(EngineClient(handle).health())
     assert health["healthy"] is False and health["reason"]
-    assert _wait_healthy(handle)["healthy"]
+    assert wait_healthy(handle)["healthy"]
     print(f"{tp} {which} kill: healthy again {time.monotonic() - t_kill:.2f}s after it")
     after = _actor_ids(ray_get(handle.stage_actors.remote()))
     assert after["draft"] == before["draft"]
@@ -290,7 +241,7 @@ def test_killed_stage_actor_fails_requests_fast_then_engine_replaces_only_it(eng
     # the failed requests' ids are free everywhere: the kept stages forgot them
     requests = [(f"k{which}{i}", PROMPTS[i], SamplingParams(max_new_tokens=20 + 5 * i))
                 for i in range(3)]
-    out = _run_batch(handle, requests)
+    out = run_batch(handle, requests)
     for rid, prompt, params in requests:
         assert ids(out[rid]) == expected_cut(reference[PROMPTS.index(prompt)], params)[0], rid
     deadline = time.monotonic() + 10  # the last release plan runs a step after the finish

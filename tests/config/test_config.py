@@ -48,6 +48,8 @@ def test_draft_none_forces_zero_speculative_tokens():
     ({"reserved_slots": -1}, "reserved_slots"),
     ({"ngram_min_n": 3, "ngram_max_n": 2}, "ngram_max_n"),
     ({"overlap": "yes"}, "overlap"),
+    ({"step_transport": "dag"}, "step_transport"),
+    ({"step_transport": None}, "step_transport"),
     ({"max_waiting": -1}, "max_waiting"),
     ({"tracing": ["x"]}, "tracing"),
     ({"gc_gen0_threshold": 0}, "gc_gen0_threshold"),
