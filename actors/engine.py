@@ -31,7 +31,7 @@ from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
 from pipeline.engine.draft_failover import step_with_draft
 from pipeline.engine.model_info import model_info
-from pipeline.engine.relay import OutputChannel, RelayMessage, request_sink
+from pipeline.engine.relay import OutputChannel, request_sink
 from pipeline.engine.stage_rebuild import Replace
 from pipeline.engine.stage_resources import (
     engine_needs,
@@ -257,7 +257,7 @@ class Engine:
         await self.submit(call, channel, ended)
         await ended
 
-    async def outputs(self, channel: str) -> AsyncIterator[RelayMessage]:
+    async def outputs(self, channel: str) -> AsyncIterator[bytes]:
         """The deltas of every request submitted on `channel`, as they come (pipeline.engine.relay):
         one message per wake-up, whatever the batch. The reader going away aborts its requests."""
         out = self._channels.setdefault(channel, OutputChannel())

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pipeline.engine.relay import Demux, RelayMessage
+from pipeline.engine.relay import Demux
 from pipeline.errors import EngineDeadError
 from pipeline.frontend.background import fire_and_forget
 from pipeline.output.request_output import RequestOutput
@@ -121,7 +121,7 @@ class Relay:
         stream = self.handle.outputs.remote(self.channel)
         try:
             async for ref in stream:
-                self.demux.deliver(RelayMessage(*await ref))
+                self.demux.deliver(await ref)
             error: BaseException = EngineDeadError("the engine's output stream ended")
         except asyncio.CancelledError:
             # this loop is closing (asyncio.run ended): end the engine's side too, which

@@ -4,8 +4,8 @@ message, whatever the batch.
 
 Engine side, `OutputChannel` gathers the deltas (and error ends) of the client's requests as
 the step loop delivers them; `batches()` hands over everything that arrived while the last
-message was on its way, as one `RelayMessage`: the deltas as one pipeline.output.delta_codec
-message, then the requests that ended with an error. Client side, `Demux` routes a message's
+message was on its way, as one `RelayMessage` in msgpack: the deltas as one
+pipeline.output.delta_codec message, then the requests that ended with an error. Client side, `Demux` routes a message's
 items to each request's queue, in order. A request's error always comes after its deltas (a
 request ends at its error: nothing of it follows).
 """
@@ -19,11 +19,34 @@ from typing import Any, NamedTuple
 from pipeline.errors import EngineDeadError
 from pipeline.output.delta_codec import decode_deltas, encode_deltas
 from pipeline.output.request_output import RequestOutput
+from pipeline.protocol.wire import ProtocolError, check_header, pack, unpack
+
+RELAY_VERSION = 1
+_KEYS = frozenset({"m", "v", "deltas", "errors"})
 
 
 class RelayMessage(NamedTuple):
     deltas: bytes  # pipeline.output.delta_codec
     errors: list[tuple[str, str]]  # (rid, EngineDeadError's message): the engine's only error
+
+
+def encode_relay(message: RelayMessage) -> bytes:
+    """A relay message as msgpack (the same wire rules as the step messages)."""
+    return pack({"m": "relay", "v": RELAY_VERSION, "deltas": message.deltas,
+                 "errors": [list(e) for e in message.errors]})
+
+
+def decode_relay(payload: Any) -> RelayMessage:
+    """ProtocolError, naming the field, for anything but a well-formed relay message."""
+    msg = unpack(payload)
+    check_header(msg, "relay", RELAY_VERSION, _KEYS)
+    deltas, errors = msg["deltas"], msg["errors"]
+    if type(deltas) is not bytes:
+        raise ProtocolError("relay.deltas must be bytes")
+    if type(errors) is not list or not all(
+            type(e) is list and len(e) == 2 and all(type(x) is str for x in e) for e in errors):
+        raise ProtocolError("relay.errors must be a list of [request id, reason] pairs")
+    return RelayMessage(deltas, [(rid, why) for rid, why in errors])
 
 
 class OutputChannel:
@@ -49,16 +72,17 @@ class OutputChannel:
                 self.open.discard(rid)
         self._arrived.set()
 
-    def take(self) -> RelayMessage | None:
-        """Everything that arrived since the last take, as one message (None: nothing)."""
+    def take(self) -> bytes | None:
+        """Everything that arrived since the last take, as one encoded RelayMessage (None:
+        nothing)."""
         self._arrived.clear()
         if not self._deltas and not self._errors:
             return None
         deltas, errors = self._deltas, self._errors
         self._deltas, self._errors = [], []
-        return RelayMessage(encode_deltas(deltas), errors)
+        return encode_relay(RelayMessage(encode_deltas(deltas), errors))
 
-    async def batches(self) -> AsyncIterator[RelayMessage]:
+    async def batches(self) -> AsyncIterator[bytes]:
         """What arrived since the last message, one message at a time, forever."""
         while True:
             await self._arrived.wait()
@@ -101,10 +125,11 @@ class Demux:
     def close(self, rid: str) -> None:
         self._queues.pop(rid, None)
 
-    def deliver(self, message: RelayMessage) -> None:
-        """Route a message; items of requests no longer open (closed early) are dropped."""
-        deltas, errors = message
-        for delta in decode_deltas(deltas) if deltas else ():
+    def deliver(self, payload: bytes) -> None:
+        """Route an encoded RelayMessage; items of requests no longer open (closed early) are
+        dropped. ProtocolError for a malformed message (nothing of it is delivered)."""
+        deltas, errors = decode_relay(payload)
+        for delta in decode_deltas(deltas):
             queue = self._queues.get(delta.rid)
             if queue is not None:
                 queue.put_nowait(delta)

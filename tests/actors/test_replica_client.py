@@ -11,7 +11,7 @@ import pytest
 import ray.exceptions as rex
 
 from actors.replica_client import ReplicaClient, engine_actor_name
-from pipeline.engine.relay import RelayMessage
+from pipeline.engine.relay import RelayMessage, encode_relay
 from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.output.delta_codec import encode_deltas
 from pipeline.output.request_output import RequestOutput
@@ -89,7 +89,8 @@ class Engine:
         return value
 
     def emit(self, outputs):
-        self._pending.extend(RelayMessage(encode_deltas([o]), []) for o in outputs)
+        self._pending.extend(encode_relay(RelayMessage(encode_deltas([o]), []))
+                             for o in outputs)
         self._wake.set()
 
     async def _outputs(self, channel):

@@ -8,7 +8,7 @@ import pytest
 import ray.exceptions as rex
 
 from actors.engine_client import EngineClient, unwrap
-from pipeline.engine.relay import RelayMessage
+from pipeline.engine.relay import RelayMessage, encode_relay
 from pipeline.errors import EngineDeadError, EngineOverloadedError
 from pipeline.output.delta_codec import encode_deltas
 from pipeline.output.request_output import RequestOutput
@@ -58,7 +58,7 @@ class FakeHandle:
             raise self.error
         for out in self.outputs_:
             out.rid = call.rid
-            self._pending.append(RelayMessage(encode_deltas([out]), []))
+            self._pending.append(encode_relay(RelayMessage(encode_deltas([out]), [])))
         self._wake.set()
 
     async def _outputs(self, channel):

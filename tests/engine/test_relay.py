@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.engine.relay import Demux, OutputChannel
+from pipeline.engine.relay import (
+    Demux,
+    OutputChannel,
+    RelayMessage,
+    decode_relay,
+    encode_relay,
+)
 from pipeline.errors import EngineDeadError
+from pipeline.output.delta_codec import decode_deltas, encode_deltas
 from pipeline.output.request_output import RequestOutput
+from pipeline.protocol.wire import ProtocolError, pack
 
 
 async def _drain(channel: OutputChannel, demux: Demux, messages: list) -> None:
@@ -32,8 +41,9 @@ def test_batches_waits_for_what_arrives_and_hands_it_over_at_once():
         channel.put("a", RequestOutput("a", [2], "y"))
         return await asyncio.wait_for(waiting, 5)
 
-    message = asyncio.run(go())
-    assert message.errors == [] and message.deltas
+    message = decode_relay(asyncio.run(go()))
+    assert message.errors == [] and [d.token_ids for d in decode_deltas(message.deltas)] == \
+        [[1], [2]]
 
 
 def test_a_steps_deltas_for_many_requests_are_one_message():
@@ -120,3 +130,20 @@ def test_each_requests_deltas_arrive_in_order_however_messages_are_cut(puts):
 
     sent, got = asyncio.run(go())
     assert got == sent
+
+
+def test_a_relay_message_round_trips_and_a_bad_one_is_a_protocol_error_naming_the_field():
+    msg = RelayMessage(encode_deltas([RequestOutput("a", [1], "x")]), [("b", "verifier died")])
+    assert decode_relay(encode_relay(msg)) == msg
+    bad = {"m": "relay", "v": 1, "deltas": msg.deltas, "errors": [["b", 3]]}
+    with pytest.raises(ProtocolError, match="relay.errors"):
+        decode_relay(pack(bad))
+    with pytest.raises(ProtocolError, match="relay.deltas"):
+        decode_relay(pack({**bad, "errors": [], "deltas": "text"}))
+    with pytest.raises(ProtocolError, match="version"):
+        decode_relay(pack({**bad, "errors": [], "v": 2}))
+    demux = Demux()
+    queue = demux.open("a")
+    with pytest.raises(ProtocolError):
+        demux.deliver(b"not msgpack")
+    assert queue.empty()
