@@ -13,10 +13,17 @@ import time
 
 import pytest
 from support.engine_cases import PROMPTS, expected_cut, ids, mixed_requests
-from support.ray_engine import kill_during_generation, run_batch, wait_healthy
+from support.ray_engine import (
+    abort_mid_stream,
+    greedy_references,
+    kill_during_generation,
+    run_batch,
+    start_tp_engines,
+    wait_healthy,
+)
 from support.reference_decode import greedy_reference
 
-from actors.engine import start_engine, stop_engine
+from actors.engine import stop_engine
 from actors.engine_client import EngineClient
 from pipeline.config import load_config
 from pipeline.engine.stage_resources import live_stage_groups
@@ -30,21 +37,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def reference() -> dict[int, list[int]]:
-    runner = build_runner(load_config("configs/tiny.yaml", {"draft": "none"}))
-    return {i: greedy_reference(runner, p, 60) for i, p in enumerate(PROMPTS)}
+    return greedy_references()
 
 
 @pytest.fixture(scope="module")
 def engines(ray_cluster):
-    handles = {
-        # Adaptive k may rightly draft nothing here: the tiny draft model costs what the target
-        # does, and on a slow machine no draft pays at batch 8.
-        "tp1": start_engine(load_config("configs/tiny.yaml", {"speculation": "fixed"})),
-        # TP=2 with a small chunk budget: prompts over it are prefilled in chunks that both
-        # ranks take from the plan
-        "tp2": start_engine(load_config("configs/tiny-tp2.yaml", {"draft": "ngram",
-                                                                  "max_num_batched_tokens": 24})),
-    }
+    handles = start_tp_engines({})
     yield handles
     for h in handles.values():
         stop_engine(h)
@@ -68,23 +66,7 @@ def test_ray_engine_greedy_equals_target_only(engines, reference, tp):
 
 
 def test_ray_abort_ends_stream_and_frees_slots(engines):
-    client = EngineClient(engines["tp1"])
-
-    async def main():
-        got = []
-        async for d in client.generate(EngineCall("ab", PROMPTS[0], SamplingParams(
-                max_new_tokens=200, ignore_eos=True))):
-            got.append(d)
-            if len(got) == 2:
-                await client.abort("ab")
-        for _ in range(50):
-            stats = await client.stats()
-            if stats["free_slots"] == stats["num_slots"]:
-                break
-            await asyncio.sleep(0.1)
-        return got, stats
-
-    got, stats = asyncio.run(main())
+    got, stats = abort_mid_stream(engines["tp1"])
     assert got[-1].finish_reason == "abort" and len(ids(got)) < 200
     assert stats["free_slots"] == stats["num_slots"] == 8
 

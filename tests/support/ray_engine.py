@@ -66,3 +66,51 @@ def wait_healthy(handle: Any, timeout: float = 90.0) -> dict:
             return health
         time.sleep(0.5)
     return health
+
+
+def abort_mid_stream(handle: Any) -> tuple[list, dict]:
+    """A long request aborted after its second delta: its deltas, and the engine's stats once
+    its slots are free again (or after 5 s)."""
+    client = EngineClient(handle)
+
+    async def main() -> tuple[list, dict]:
+        got = []
+        async for d in client.generate(EngineCall("ab", PROMPTS[0], SamplingParams(
+                max_new_tokens=200, ignore_eos=True))):
+            got.append(d)
+            if len(got) == 2:
+                await client.abort("ab")
+        for _ in range(50):
+            stats = await client.stats()
+            if stats["free_slots"] == stats["num_slots"]:
+                break
+            await asyncio.sleep(0.1)
+        return got, stats
+
+    return asyncio.run(main())
+
+
+def greedy_references(max_tokens: int = 60) -> dict[int, list[int]]:
+    """Target-only greedy outputs of every PROMPTS entry on the tiny model (independent code)."""
+    from pipeline.config import load_config
+    from pipeline.models.runners import build_runner
+    from support.reference_decode import greedy_reference
+
+    runner = build_runner(load_config("configs/tiny.yaml", {"draft": "none"}))
+    return {i: greedy_reference(runner, p, max_tokens) for i, p in enumerate(PROMPTS)}
+
+
+def start_tp_engines(overrides: dict[str, Any]) -> dict[str, Any]:
+    """"tp1": the tiny pair, draft model at fixed k (adaptive k may rightly draft nothing on a
+    slow machine: the tiny draft costs what the target does); "tp2": TP 2 with n-gram drafts and
+    a small chunk budget (prompts prefilled in chunks both ranks take from the plan). Both with
+    `overrides`."""
+    from actors.engine import start_engine
+    from pipeline.config import load_config
+
+    return {
+        "tp1": start_engine(load_config("configs/tiny.yaml",
+                                        {**overrides, "speculation": "fixed"})),
+        "tp2": start_engine(load_config("configs/tiny-tp2.yaml", {
+            **overrides, "draft": "ngram", "max_num_batched_tokens": 24})),
+    }
