@@ -32,7 +32,7 @@ from pipeline.engine.core import EngineCore
 from pipeline.engine.draft_failover import step_with_draft
 from pipeline.engine.model_info import model_info
 from pipeline.engine.relay import OutputChannel, request_sink
-from pipeline.engine.stage_rebuild import Replace
+from pipeline.engine.stage_rebuild import Replace, until_built
 from pipeline.engine.stage_resources import (
     engine_needs,
     live_stage_groups,
@@ -205,15 +205,21 @@ class Engine:
         if self.core is not None:
             self.past_stalls += self.core.stats.stalls
         try:
-            if self.stages is not None:
-                await self.stages.close()  # a compiled graph goes before resets and kills
-            replace = await self._survivors()
-            await self._build(replace)
+            await until_built(self._rebuild_once, self._rebuild_failed)
             self.restarts += 1
-        except Exception:  # stays unhealthy; the reason is in health()
-            log.exception("engine rebuild failed")
         finally:
             self._rebuilding = None
+
+    async def _rebuild_once(self) -> None:
+        # Again after a failed attempt: the stages it kept answer the reset again, what it
+        # started is gone (replace_stages cleans up), so it replaces them anew.
+        if self.stages is not None:
+            await self.stages.close()  # a compiled graph goes before resets and kills
+        await self._build(await self._survivors())
+
+    def _rebuild_failed(self, what: str) -> None:
+        log.warning("engine %s", what, exc_info=True)
+        self.build_phase = what
 
     async def _survivors(self) -> Replace | None:
         """Reset every stage of the failed build; which to replace (None: no build yet)."""
@@ -328,6 +334,10 @@ class Engine:
 
     async def shutdown(self) -> None:
         """Stop stepping, let every actor export its spans, kill the stage actors."""
+        if self._rebuilding is not None:  # what it started is discarded as it is cancelled
+            self._rebuilding.cancel()
+            with contextlib.suppress(BaseException):
+                await self._rebuilding
         if self.core is not None:
             await self.core.stop()
         if self.actors is not None:

@@ -57,10 +57,15 @@ async def create_stage_actors(config: EngineConfig,
     node is back)."""
     need = stage_resources(config)
     pg = await _new_group(need, group_name, report)
-    verifiers = _start_verifiers(config, need, pg)
-    draft = start_draft(config, need)
-    output = _start_output(config, need)
-    info = await _loaded(need, report, verifiers, output, draft)
+    started: list[Any] = []
+    try:
+        started += _start_verifiers(config, need, pg)
+        started += [start_draft(config, need), _start_output(config, need)]
+        *verifiers, draft, output = started
+        info = await _loaded(need, report, verifiers, output, draft)
+    except BaseException:
+        _discard(started, pg)  # a half-started build leaves nothing behind
+        raise
     return StageActors(draft, verifiers, output, pg, info)
 
 
@@ -77,8 +82,9 @@ async def replace_stages(config: EngineConfig, old: StageActors, replace: Replac
                          report: Callable[[str], None] = lambda _: None,
                          group_name: str = "") -> StageActors:
     """The stage actors of the next build: `old`'s that are kept (already reset), new ones for
-    the rest. New verifier ranks go into `old`'s placement group while it stands (their
-    predecessors' bundles are freed by the kill), else into a new one named `group_name`."""
+    the rest. New verifier ranks get a new placement group named `group_name` (`old`'s is
+    removed): a group that still reads as placed may hold a bundle on a node that is gone and
+    not yet noticed."""
     old.closed = True  # its draft replacements (if any) stop; the kept actors live on
     gone = [*old.starting, *([old.draft] if replace.draft else []),
             *(old.verifiers if replace.verifiers else []), *([old.output] if replace.output else [])]
@@ -88,12 +94,12 @@ async def replace_stages(config: EngineConfig, old: StageActors, replace: Replac
     need = stage_resources(config)
     pg, verifiers = old.placement_group, old.verifiers
     new: list[Any] = []
+    new_pg = None
     try:
         if replace.verifiers:
-            if not _standing(pg):
-                with contextlib.suppress(Exception):
-                    remove_placement_group(pg)
-                pg = await _new_group(need, group_name, report)
+            with contextlib.suppress(Exception):  # already removed (an earlier attempt)
+                remove_placement_group(pg)
+            pg = new_pg = await _new_group(need, group_name, report)
             verifiers = _start_verifiers(config, need, pg)
             new += verifiers
         draft = start_draft(config, need) if replace.draft else old.draft
@@ -103,18 +109,18 @@ async def replace_stages(config: EngineConfig, old: StageActors, replace: Replac
                              output if replace.output else None,
                              draft if replace.draft else None)
     except BaseException:
-        for actor in new:  # a half-started build leaves nothing behind
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
+        _discard(new, new_pg)  # a half-started build leaves nothing behind
         raise
     return StageActors(draft, verifiers, output, pg, {**old.info, **info})
 
 
-def _standing(pg: Any) -> bool:
-    """Whether placement group `pg` is still placed (not removed, not being rescheduled)."""
-    with contextlib.suppress(Exception):
-        return ray.util.placement_group_table(pg).get("state") == "CREATED"
-    return False
+def _discard(actors: list[Any], pg: Any | None) -> None:
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+    if pg is not None:
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
 
 
 async def _new_group(need: StageResources, name: str, report: Callable[[str], None]) -> Any:
@@ -123,7 +129,11 @@ async def _new_group(need: StageResources, name: str, report: Callable[[str], No
     pg = placement_group(need.verifier_bundles, strategy=need.verifier_strategy, name=name)
     report(f"waiting for the verifier placement group ({need.verifier_strategy} "
            f"{need.verifier_bundles})")
-    await pg.ready()
+    try:
+        await pg.ready()
+    except BaseException:  # cancelled (the engine shuts down): not left pending in the cluster
+        _discard([], pg)
+        raise
     return pg
 
 

@@ -7,6 +7,8 @@ no state leaks and the ids may come back), and one that answers within the bound
 is (model loaded, prefix cache warm). The verifier ranks go together: under tensor parallelism
 their process group is broken when one rank is gone, so one failed rank replaces every rank.
 A draft stage that is itself being replaced (lost before the failure) is replaced too.
+A rebuild that fails (a replacement dies while it loads: its node was lost before the cluster
+noticed) is tried again after a growing pause, until one succeeds (`until_built`).
 
 The transport (actors.stage_actors) sends the resets and starts the replacements. No Ray here.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,3 +73,21 @@ async def stages_to_replace(draft: Awaitable[Any] | None, ranks: list[Awaitable[
 
 async def _false() -> bool:
     return False
+
+
+async def until_built(attempt: Callable[[], Awaitable[None]], report: Callable[[str], None],
+                      first_pause_s: float = 1.0, max_pause_s: float = 30.0) -> int:
+    """Await `attempt()` until it returns; after each failure `report` it (health() shows why
+    the engine is still down) and pause, twice as long each time up to `max_pause_s`. Returns
+    how many attempts failed. A cancelled attempt (the engine shuts down) ends the loop."""
+    failed, pause = 0, first_pause_s
+    while True:
+        try:
+            await attempt()
+            return failed
+        except Exception as e:  # noqa: BLE001 - whatever it was, the next attempt starts clean
+            failed += 1
+            report(f"rebuild attempt {failed} failed ({type(e).__name__}: {str(e)[:200]}); "
+                   f"trying again in {pause:.0f}s")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, max_pause_s)

@@ -18,7 +18,7 @@ from pipeline.config import load_config
 from pipeline.draft.step import build_proposer, reset_draft
 from pipeline.engine.core import EngineCore
 from pipeline.engine.local import LocalStages
-from pipeline.engine.stage_rebuild import Replace, answered, stages_to_replace
+from pipeline.engine.stage_rebuild import Replace, answered, stages_to_replace, until_built
 from pipeline.errors import EngineDeadError
 from pipeline.models.runners import build_runner
 from pipeline.output.processor import OutputProcessor
@@ -81,6 +81,46 @@ def test_a_stage_that_does_not_answer_in_time_is_replaced():
     assert replace == Replace(draft=False, verifiers=False, output=True)
     assert 0.2 <= took < 2.0
     assert asyncio.run(answered([], 0.1))
+
+
+def test_a_failed_rebuild_is_tried_again_after_growing_pauses_until_one_succeeds():
+    attempts: list[float] = []
+    reports: list[str] = []
+
+    async def attempt() -> None:
+        attempts.append(time.monotonic())
+        if len(attempts) <= 3:
+            raise RuntimeError(f"new rank died while it loaded ({len(attempts)})")
+
+    failed = asyncio.run(until_built(attempt, reports.append, first_pause_s=0.05,
+                                     max_pause_s=0.1))
+    assert failed == 3 and len(attempts) == 4
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    assert gaps[0] >= 0.05 and gaps[1] >= 0.1 and gaps[2] >= 0.1  # doubled from the first
+    assert "attempt 3 failed (RuntimeError: new rank died while it loaded (3))" in reports[2]
+    assert len(reports) == 3
+
+
+def test_a_cancelled_rebuild_stops_trying():
+    calls = 0
+
+    async def attempt() -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("never places")
+
+    async def main() -> None:
+        task = asyncio.ensure_future(until_built(attempt, lambda _: None, first_pause_s=0.05))
+        await asyncio.sleep(0.12)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    seen = calls
+    assert 2 <= seen <= 3
+    time.sleep(0.1)
+    assert calls == seen
 
 
 class FailingStages(LocalStages):
