@@ -205,7 +205,7 @@ class Engine:
         if self.core is not None:
             self.past_stalls += self.core.stats.stalls
         try:
-            await until_built(self._rebuild_once, self._rebuild_failed)
+            await until_built(self._rebuild_once, self._set_build_phase)
             self.restarts += 1
         finally:
             self._rebuilding = None
@@ -216,10 +216,6 @@ class Engine:
         if self.stages is not None:
             await self.stages.close()  # a compiled graph goes before resets and kills
         await self._build(await self._survivors())
-
-    def _rebuild_failed(self, what: str) -> None:
-        log.warning("engine %s", what, exc_info=True)
-        self.build_phase = what
 
     async def _survivors(self) -> Replace | None:
         """Reset every stage of the failed build; which to replace (None: no build yet)."""

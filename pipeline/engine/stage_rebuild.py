@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Replace:
@@ -85,9 +87,11 @@ async def until_built(attempt: Callable[[], Awaitable[None]], report: Callable[[
         try:
             await attempt()
             return failed
-        except Exception as e:  # noqa: BLE001 - whatever it was, the next attempt starts clean
+        except Exception as e:  # whatever it was, the next attempt starts clean
             failed += 1
-            report(f"rebuild attempt {failed} failed ({type(e).__name__}: {str(e)[:200]}); "
-                   f"trying again in {pause:.0f}s")
+            what = (f"rebuild attempt {failed} failed ({type(e).__name__}: {str(e)[:200]}); "
+                    f"trying again in {pause:.0f}s")
+            log.warning("engine %s", what, exc_info=True)
+            report(what)
             await asyncio.sleep(pause)
             pause = min(pause * 2, max_pause_s)

@@ -6,6 +6,7 @@ slot free, the draft and output stages empty."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from typing import Any
@@ -95,7 +96,7 @@ def test_a_failed_rebuild_is_tried_again_after_growing_pauses_until_one_succeeds
     failed = asyncio.run(until_built(attempt, reports.append, first_pause_s=0.05,
                                      max_pause_s=0.1))
     assert failed == 3 and len(attempts) == 4
-    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
     assert gaps[0] >= 0.05 and gaps[1] >= 0.1 and gaps[2] >= 0.1  # doubled from the first
     assert "attempt 3 failed (RuntimeError: new rank died while it loaded (3))" in reports[2]
     assert len(reports) == 3
