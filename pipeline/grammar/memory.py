@@ -1,6 +1,7 @@
-"""Compiled grammars under a byte budget, not a count: llguidance grows a grammar's memory while
-it is used (a hostile regex can hold ~160 MB after one masked step). A grammar's size is the RSS
-growth while it was built and used; unheld templates are evicted least recently used first."""
+"""A process's compiled grammars under a byte budget (`grammar_memory_mb`), not a count:
+llguidance grows a grammar's memory while it is used (a hostile regex can hold ~160 MB after one
+masked step). A grammar's size is the RSS growth while it was built and used; unheld templates
+are evicted least recently used first."""
 
 from __future__ import annotations
 
