@@ -1,6 +1,5 @@
-"""Grammar-constrained output: the matcher protocol the finish rules use (`matcher`), the
-llguidance backend for JSON schema / regex / choice / Lark (`llg`), and the per-stage matchers
-that cut drafts and mask the verifier's logits under speculation (`tracker`)."""
+"""Grammar-constrained output: the matcher protocol (`matcher`), the llguidance backend (`llg`),
+and the per-stage matchers that cut drafts and mask logits under speculation (`tracker`)."""
 
 from __future__ import annotations
 
@@ -20,10 +19,9 @@ __all__ = ["GrammarMatcher", "TokenSequenceMatcher", "choice_grammar", "grammar_
 
 
 def new_matcher(grammar: Any, tokenizer: Any) -> Any:
-    """A fresh matcher for `SamplingParams.grammar`: a compiled `Grammar` (built against
-    `tokenizer`) or a zero-argument factory such as `choice_grammar`'s."""
+    """`grammar`: a compiled `Grammar`, or a zero-argument factory such as `choice_grammar`'s."""
     if isinstance(grammar, Grammar):
-        from pipeline.grammar.llg import grammar_matcher  # llguidance: only when a grammar comes
+        from pipeline.grammar.llg import grammar_matcher
 
         return grammar_matcher(grammar, tokenizer)
     return grammar()

@@ -1,19 +1,7 @@
-"""A process's compiled grammars under a byte budget (EngineConfig.grammar_memory_mb).
-
-llguidance grows a grammar's memory while it is used: masks build lexer states and regex
-derivatives in a store the compiled template and every request's copy share, so a hostile regex
-such as `(b{1000}){1000}` holds ~160 MB after one masked step (49k-token vocabulary), for as long
-as the template lives. A count-bounded cache (256 templates) is then tens of GB.
-
-So each grammar's size is estimated as the process's RSS growth while it was built and while its
-matchers computed masks or checked drafts (`charge`), and at least `BYTES_PER_CHAR` per character
-of compiled grammar (60 KB regexes were measured at ~3.9 MB each: ~65 B/char). Requests hold
-references (a matcher copy each, released when it is dropped); templates no request uses are kept
-in LRU order while the total stays within the budget, and the least recently used go first. A
-grammar alone over the budget is refused by the front end before it reaches the engine
-(`pipeline.grammar.llg.compile_grammar`). RSS growth is an estimate (allocator reuse, other
-threads), but it measures exactly what the budget is about: the process's resident memory.
-"""
+"""A process's compiled grammars under a byte budget (`grammar_memory_mb`), not a count:
+llguidance grows a grammar's memory while it is used (a hostile regex can hold ~160 MB after one
+masked step). A grammar's size is the RSS growth while it was built and used; unheld templates
+are evicted least recently used first."""
 
 from __future__ import annotations
 
@@ -31,13 +19,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET = 256 << 20
 BYTES_PER_CHAR = 64
-TRIM_AFTER = 16 << 20  # a measured build that grew this much is trimmed back after
+TRIM_AFTER = 16 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def rss_bytes() -> int:
-    """This process's resident set size (0 where /proc is missing: estimates fall back to the
-    per-character floor)."""
+    """0 where /proc is missing: estimates fall back to the per-character floor."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * _PAGE
@@ -46,7 +33,7 @@ def rss_bytes() -> int:
 
 
 def _trim() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise, and RSS stays up)."""
+    """Hand freed heap pages back to the OS (glibc keeps them, and RSS stays up)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -55,15 +42,13 @@ def _trim() -> None:
 
 @dataclass
 class Entry:
-    template: Any  # the compiled LLMatcher requests copy
-    size: int  # estimated bytes
-    refs: int = 0  # live matcher copies
+    template: Any
+    size: int
+    refs: int = 0
     owner: Any = None  # the object whose id() is in the key, kept alive so the id stays its own
 
 
 class GrammarMemory:
-    """Compiled templates keyed by (tokenizer id, grammar text), with sizes and reference counts."""
-
     def __init__(self, budget: int = DEFAULT_BUDGET) -> None:
         self.budget = budget
         self._entries: OrderedDict[tuple[int, str], Entry] = OrderedDict()
@@ -78,8 +63,7 @@ class GrammarMemory:
         return len(self._entries)
 
     def acquire(self, key: tuple[int, str], build: Any, owner: Any = None) -> tuple[Any, Entry]:
-        """The template for `key` (built by `build()` if absent, its RSS growth charged), with
-        one more reference; call `release(entry)` when the copy made from it is dropped."""
+        """One more reference on `key`'s template; `release(entry)` when its copy is dropped."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -96,9 +80,7 @@ class GrammarMemory:
 
     @contextmanager
     def measuring(self) -> Iterator[list[int]]:
-        """Measure a throw-away build (the front end's compile check): yields a one-item list
-        that holds the RSS growth once the block ends; builds measured one at a time, so the
-        growth is theirs; freed heap handed back to the OS after a large one."""
+        """A throw-away build's RSS growth, one build at a time so the growth is its own."""
         grown = [0]
         with self._compile_lock:
             before = rss_bytes()
@@ -115,14 +97,12 @@ class GrammarMemory:
             self._evict()
 
     def charge(self, entry: Entry, grown: int) -> None:
-        """A matcher of `entry` grew the process by `grown` bytes (masks, draft checks)."""
         if grown > 0:
             with self._lock:
                 entry.size += grown
                 self._evict()
 
     def _evict(self) -> None:
-        """Drop unreferenced templates, least recently used first, until within the budget."""
         freed = 0
         if self.total <= self.budget:
             return
@@ -141,8 +121,6 @@ MEMORY = GrammarMemory()
 
 
 def set_memory_budget(budget_bytes: int) -> None:
-    """This process's grammar budget (EngineConfig.grammar_memory_mb, applied by every process
-    that compiles or matches grammars)."""
     if budget_bytes <= 0:
         raise ValueError(f"grammar_memory_mb: must be positive, got {budget_bytes >> 20}")
     MEMORY.budget = budget_bytes

@@ -1,11 +1,6 @@
-"""JSON schemas that no finite JSON value satisfies, found before compiling.
-
-llguidance compiles such a schema (e.g. a required property whose schema is the schema itself)
-and the model then writes `{"a": {"a": ...` until a limit: output no parser accepts. The check is
-a least fixpoint over local `$ref`s: a schema has a finite instance when its required properties,
-the items a `minItems` demands, its `allOf` parts and one of its `anyOf` / `oneOf` branches have
-one. Only what is certain is reported (unknown keywords, remote refs: assumed satisfiable).
-"""
+"""JSON schemas no finite value satisfies (a required property whose schema is the schema
+itself): llguidance compiles them and the model writes `{"a": {"a": ...` until a limit. A least
+fixpoint over local `$ref`s; only what is certain is reported."""
 
 from __future__ import annotations
 
@@ -15,9 +10,8 @@ MAX_DEPTH = 64  # inline nesting followed; deeper schemas are assumed satisfiabl
 
 
 def no_finite_instance(schema: Any) -> str | None:
-    """Why no finite JSON value satisfies `schema`, or None when one may."""
     refs = _local_refs(schema)
-    known = dict.fromkeys(refs, False)  # least fixpoint: a ref is finite once shown to be
+    known = dict.fromkeys(refs, False)
     changed = True
     while changed:
         changed = False
@@ -67,7 +61,6 @@ def _list(value: Any) -> list:
 
 
 def _local_refs(schema: Any) -> list[str]:
-    """Every local `$ref` ("#..." that resolves) in the schema."""
     found: list[str] = []
     stack = [schema]
     seen = 0
@@ -86,7 +79,7 @@ def _local_refs(schema: Any) -> list[str]:
 
 
 def _resolve(schema: Any, ref: str) -> Any:
-    """The node a local JSON pointer ref ("#", "#/$defs/x") names, or None."""
+    """The node a local JSON pointer ("#", "#/$defs/x") names, or None."""
     pointer = ref[1:]
     if pointer and not pointer.startswith("/"):
         return None  # an anchor ("#name"): not followed

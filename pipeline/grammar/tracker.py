@@ -1,14 +1,6 @@
-"""A stage's grammar matchers, one per constrained request, kept in step with the plans.
-
-The output processor's matcher (output actor) decides the finish. The draft worker (to cut drafts)
-and the driver verifier (to mask logits) each hold their own copy, advanced only through the
-plan's `commits`, which carry every token the request kept, in order, exactly once. So every copy
-has consumed the same output before a step's drafts are cut or masked, whatever process it is in;
-drafts are never consumed for good (masks roll them back). Unconstrained requests never enter.
-
-A token the copy rejects (a request already finished by its grammar, still scheduled for one
-overlapped step) kills that copy: the request is ending, and its rows go unconstrained.
-"""
+"""A stage's grammar matchers, advanced only by the plan's `commits`: every copy has consumed the
+same output before a step. A token a copy rejects (a request its grammar finished, still in one
+overlapped step) kills it: the request is ending, and its rows go unconstrained."""
 
 from __future__ import annotations
 
@@ -33,18 +25,16 @@ class GrammarTracker:
         return bool(self._matchers)
 
     def reset(self) -> None:
-        """Forget every request's matcher."""
         self._matchers.clear()
 
     def apply(self, plan: StepPlan) -> None:
-        """Release, register the plan's new constrained requests, feed the commits."""
         for rid in plan.release:
             self._matchers.pop(rid, None)
         for new in plan.new:
-            if isinstance(new.params.grammar, Grammar):  # a compiled grammar (test factories:
-                m = self._matchers[new.rid] = self._new_matcher(new.params.grammar)  # output only)
-                # a preempted request comes back with its output so far: the matcher
-                # consumes it again, as its commits did before
+            # Compiled grammars only: a test's factory constrains the output stage alone.
+            if isinstance(new.params.grammar, Grammar):
+                m = self._matchers[new.rid] = self._new_matcher(new.params.grammar)
+                # A preempted request comes back with its output so far in its prompt.
                 for t in new.prompt_ids[len(new.prompt_ids) - new.num_output:]:
                     if not m.accept_token(t):
                         break
@@ -58,7 +48,6 @@ class GrammarTracker:
                         break
 
     def cut(self, rids: Sequence[str], drafts: list[list[int]]) -> list[list[int]]:
-        """Each request's drafts up to the first token its grammar rejects."""
         if not self._matchers:
             return drafts
         out = []
@@ -69,8 +58,7 @@ class GrammarTracker:
 
     def masks(self, rids: Sequence[str], drafts: Sequence[Sequence[int]], width: int,
               vocab_size: int) -> np.ndarray | None:
-        """bool [B, width, vocab]: allowed tokens per request and draft-path position (all True
-        for unconstrained rows); None when no request in the batch has a grammar."""
+        """bool [B, width, vocab], all True for unconstrained rows; None when no row has one."""
         if not any(rid in self._matchers for rid in rids):
             return None
         out = np.ones((len(rids), width, vocab_size), dtype=bool)
@@ -82,7 +70,7 @@ class GrammarTracker:
         return out
 
     def _new_matcher(self, grammar: Grammar) -> Any:
-        from pipeline.grammar.llg import grammar_matcher  # llguidance: only when a grammar comes
+        from pipeline.grammar.llg import grammar_matcher
 
         if self._tokenizer is None:
             self._tokenizer = self._load_tokenizer()

@@ -1,5 +1,5 @@
-"""Model layer: Llama-family model, paged KV cache, attention backends, loaders, 4-bit weights, TP,
-runner."""
+"""Model layer: Llama-family model, block-paged KV cache, attention backends, loaders, 4-bit
+weights, tensor parallelism, and the runner over them."""
 
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import CacheFullError, KVCache

@@ -6,18 +6,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-# Hugging Face `architectures` / GGUF `general.architecture` names this model layer serves.
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder.
-
-    `rope_scaling` is None or a Llama-3 style dict: {"rope_type": "llama3", "factor",
-    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
-    `attention_bias` adds a bias to the q/k/v projections (Qwen2); o_proj never has one.
-    """
+    """`rope_scaling`: None or a Llama-3 style dict ("rope_type": "llama3", "factor", ...).
+    `attention_bias`: a bias on the q/k/v projections (Qwen2); o_proj never has one."""
 
     vocab_size: int
     hidden_size: int
@@ -63,7 +58,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
+        """From a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
         archs = d.get("architectures") or [_arch_from_model_type(d.get("model_type"))]
         arch = archs[0]
         if arch not in SUPPORTED_HF_ARCHITECTURES:

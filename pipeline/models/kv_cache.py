@@ -1,23 +1,8 @@
-"""Block-paged KV cache: one pool of fixed-size blocks, sized once, shared by every sequence.
-
-Layout per layer: `k[layer]`, `v[layer]` of shape [num_blocks, block_size, kv_heads, head_dim]
-(vllm-flash-attn's paged layout). A sequence ("slot": a small integer handle, at most
-`num_slots` at once) owns a block table (pipeline.models.block_manager); its token i lives at
-row i % block_size of block table[i // block_size]. Short requests take only the blocks they
-fill, so the same memory holds more of them than a whole `max_len` row each.
-
-Rollback (rejected drafts) stays a length update: `truncate` sets the length and frees only
-the blocks wholly past the new end; nothing is copied.
-
-Invariants:
-- A slot is either free or owned by exactly one request (the caller of `allocate`).
-- `lengths[slot]` is the number of committed tokens; rows at positions >= length hold stale
-  data that is never attended to (attention masks by length) and is overwritten on the next
-  write. `reserve` grows a slot's table before a forward writes past its blocks.
-- Only the owner frees its slot; freeing returns its blocks to the pool and its length to 0.
-- Allocation order is deterministic (lowest free slot, first freed block), so tensor-parallel
-  ranks applying the same calls hold the same slot and block ids.
-"""
+"""Block-paged KV cache: per layer `k`, `v` [num_blocks, block_size, kv_heads, head_dim], one
+pool sized once. A sequence ("slot", at most `num_slots`) owns a block table; its token i is at
+row i % block_size of block table[i // block_size]. Rows at or past `lengths[slot]` are stale
+and never attended, so rollback is a length update. Allocation is deterministic (lowest free
+slot, first freed block): tensor-parallel ranks making the same calls hold the same ids."""
 
 from __future__ import annotations
 
@@ -31,7 +16,7 @@ from pipeline.models.block_manager import BlockManager, CacheFullError
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "CacheFullError", "KVCache"]
 
-DEFAULT_BLOCK_SIZE = 16  # vllm-flash-attn's paged block_table wants a multiple of 16
+DEFAULT_BLOCK_SIZE = 16  # a multiple of vllm-flash-attn's FLASH_PAGE_MULTIPLE
 
 
 class KVCache:
@@ -45,7 +30,6 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
         self.block_size = block_size
-        # Default: the memory of one max_len row per slot (what the slot cache reserved).
         if num_blocks is None:
             num_blocks = num_slots * -(-max_len // block_size)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
@@ -54,8 +38,8 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots
-        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # what each slot holds
-        self._free = list(range(num_slots))  # sorted: lowest slot first
+        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]
+        self._free = list(range(num_slots))  # sorted
         self._owned = [False] * num_slots
 
     @property
@@ -73,9 +57,8 @@ class KVCache:
         return slot
 
     def attach_prefix(self, slot: int, tokens: list[int]) -> int:
-        """A freshly allocated slot takes the longest cached prefix of `tokens` (whole blocks,
-        at most len(tokens) - 1 tokens: the last one is always computed, for its logits);
-        returns its length, the tokens whose KV came from the cache."""
+        """A fresh slot takes the longest cached prefix of `tokens` in whole blocks, short of
+        the last token (computed for its logits); returns the prefix's length."""
         self.check_owned(slot)
         if self.lengths[slot]:
             raise ValueError(f"attach_prefix: KV slot {slot} is not empty")
@@ -101,15 +84,13 @@ class KVCache:
         return self.blocks.tables[slot]
 
     def digest(self) -> bytes:
-        """16 bytes naming the pool's state: the block manager's decision history (every block
-        handed out, hit or freed, in order) and its free counts. O(1): tensor-parallel ranks
-        compare it every step (pipeline.verify.ranks); equal calls give equal digests, and
-        ranks that ever decided differently never match again."""
+        """16 bytes over the block manager's decision history and free counts: tensor-parallel
+        ranks compare it every step, and ranks that ever decided differently never match."""
         free = array("q", (self.blocks.num_free, self.blocks.num_cached_free)).tobytes()
         return hashlib.blake2b(self.blocks.history + free, digest_size=16).digest()
 
     def reserve(self, slots: list[int], num_tokens: list[int]) -> None:
-        """Grow each slot's table to hold its `num_tokens`; all or nothing (CacheFullError)."""
+        """All or nothing (CacheFullError)."""
         need = sum(self.blocks.missing(s, n) for s, n in zip(slots, num_tokens))
         if need > self.blocks.num_free:
             raise CacheFullError(f"KV cache full: {need} more blocks needed, "
@@ -118,9 +99,8 @@ class KVCache:
             self.blocks.ensure(slot, n)
 
     def truncate(self, slot: int, length: int) -> None:
-        """Roll back to `length` committed tokens (rejected drafts): a length update, and the
-        blocks wholly past the new end go back to the pool. The caller vouches that the first
-        `length` tokens are committed (never drafts): their full blocks become cacheable."""
+        """Roll back to `length` tokens, freeing blocks wholly past it. The caller vouches that
+        those tokens are committed, never drafts: their full blocks become cacheable."""
         self.check_owned(slot)
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"truncate slot {slot} to {length}: must be in "

@@ -1,15 +1,7 @@
-"""Llama-family causal LM written for serving (SmolLM2, Llama 2/3, Qwen2).
-
-Read bottom-up: RoPE, RMSNorm, attention, MLP, block, model. Tokens are flat: one
-forward takes every new token of every request in the batch (a long prefill, a k+1 verify
-run and 1-token decodes mixed), with positions, the KV cache and the attention metadata
-passed in explicitly. No torch.distributed here: tensor parallelism is applied from the
-outside by `pipeline.models.tp.apply_tp`, which shards the projections and adds the
-all-reduce after the row-parallel ones.
-
-Fused projections: `wqkv` = [q; k; v] rows and `w_gate_up` = [gate; up] rows, one matmul
-each (fewer kernel launches per token, which is most of a small model's decode time).
-"""
+"""Llama-family causal LM for serving (SmolLM2, Llama 2/3, Qwen2). One forward takes the flat
+new tokens of every request (prefills, verify runs, decodes mixed). Tensor parallelism is
+applied from outside (`pipeline.models.tp.apply_tp`). `wqkv` and `w_gate_up` fuse projections:
+kernel launches are most of a small model's decode time."""
 
 from __future__ import annotations
 
@@ -25,7 +17,6 @@ from pipeline.models.kv_cache import KVCache
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim/2] float32 inverse frequencies, with Llama-3 scaling when configured."""
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     rs = config.rope_scaling
@@ -43,7 +34,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin table [max_pos, head_dim] (halves repeated, HF `rotate_half` layout), grown on use."""
+    """cos/sin [max_pos, head_dim] in HF's `rotate_half` layout, grown on use."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.inv_freq = rope_inv_freq(config)
@@ -51,7 +42,6 @@ class Rotary:
         self.sin = torch.empty(0, device="cpu")
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions [N] -> cos, sin [N, 1, head_dim] in `dtype`."""
         need = int(positions.max()) + 1
         if self.cos.shape[0] < need or self.cos.device != positions.device or \
                 self.cos.dtype != dtype:
@@ -64,7 +54,6 @@ class Rotary:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D]; cos, sin [N, 1, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -79,7 +68,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Half precision: normalise in float32, scale in the model dtype (as HF does).
+        # As HF does: normalise in float32, scale in the model dtype.
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -100,7 +89,7 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         n, h, kh, hd = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.wqkv(x).split([(h + kh) * hd, kh * hd], dim=-1)
-        qk = apply_rope(qk.view(n, h + kh, hd), cos, sin)  # q and k heads in one pass
+        qk = apply_rope(qk.view(n, h + kh, hd), cos, sin)
         q, k = qk.split([h, kh], dim=1)
         write_kv(k_cache, v_cache, k, v.view(n, kh, hd), meta)
         return self.wo(attend(q, k_cache, v_cache, meta, self.scale))
@@ -109,7 +98,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size  # per rank after apply_tp
+        self.intermediate = config.intermediate_size
         self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
@@ -133,7 +122,7 @@ class Block(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Decoder + LM head. `lm_head` is None when embeddings are tied (reads `embed.weight`)."""
+    """`lm_head` is None when embeddings are tied."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -152,7 +141,6 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttnMetadata, logits_idx: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """input_ids, positions [N] -> logits [N, vocab] (or [len(logits_idx), vocab])."""
         x = self.embed(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers):
@@ -166,18 +154,9 @@ class LlamaModel(nn.Module):
 
 
 class CpuLinear(nn.Module):
-    """CPU float32 projection with two weight layouts, picked per call by the row count.
-
-    One row (a batch-1 decode) is a GEMV: MKL on a column-major weight ([out, in] shape,
-    [in, out] memory) is fastest. Two or more rows (verify runs, batched decode, prefill):
-    MKL's small-M SGEMM repacks the weight on every call, so a oneDNN weight packed once is
-    used instead. Measured single-threaded, SmolLM2 shapes streamed from memory (every layer
-    plus the LM head): 2 rows 60 vs 72 ms, 5 rows 61 vs 94 ms, 8 rows 73 vs 109 ms, 160 rows
-    393 vs 447 ms; 1 row 44 ms MKL vs 58 ms oneDNN. The price is a second copy of the weights.
-    A 2-row call runs as 3 rows (the last repeated, then dropped): oneDNN's 2-row kernel is
-    slower than its 3-row one here (SmolLM2 forward, 2 rows: 73-76 ms plain, 53-61 ms padded;
-    3 rows 54-57 ms), and 2 rows is a one-draft verify at batch 1.
-    """
+    """CPU float32 projection, two copies of the weight: one row runs MKL's GEMV on a
+    column-major weight; more rows run oneDNN on a weight packed once, since MKL's small-M
+    SGEMM repacks on every call. 2 rows run as 3: oneDNN's 2-row kernel is slower."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -203,14 +182,9 @@ def _onednn_linear_available() -> bool:
 
 
 def use_column_major_weights(model: LlamaModel) -> None:
-    """CPU float32 only: store every projection's weight column-major ([out, in] shape, [in, out]
-    memory), so `F.linear` runs a no-transpose GEMM. Measured single-threaded on SmolLM2 shapes
-    this is never slower and 1.5-2.2x faster for 5-32 rows (verify runs, batched decode);
-    bfloat16 GEMMs (oneDNN) prefer the usual layout, so they are left alone. A tied LM head
-    becomes column-major too, and the embedding looks its rows up in that same tensor (one
-    float32 copy of the table, not two).
-    Where oneDNN is available every projection becomes a `CpuLinear` (multi-row calls on a
-    prepacked oneDNN weight). Idempotent: modules shared with another model are kept."""
+    """CPU float32 only: every projection column-major (a no-transpose GEMM) or, with oneDNN, a
+    `CpuLinear`. A tied LM head shares its column-major tensor with the embedding (one copy).
+    Idempotent."""
     with torch.no_grad():
         if model.lm_head is None:
             w = model.embed.weight

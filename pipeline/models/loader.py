@@ -1,14 +1,5 @@
-"""Load weights, config and tokenizer from a GGUF file or a Hugging Face folder.
-
-Both paths first produce Hugging Face tensor names (`model.layers.0.self_attn.q_proj.weight`
-...), then `hf_to_internal` fuses q/k/v and gate/up into this package's layout.
-
-GGUF notes: with `weights="quantized"` the 4-bit tensors (Q4_0, Q4_1, Q4_K) stay 4-bit
-(`pipeline.models.quant`, torch's CPU int4 kernel); every other tensor, and every tensor with
-`weights="float"`, is dequantized with `gguf.quants.dequantize`. llama.cpp's converter
-permutes the q/k projection rows of `llama` models (interleaved RoPE pairs); we undo that so
-the rotate-half RoPE of HF and of `llama.py` applies. Qwen2 files are not permuted.
-"""
+"""Load weights, config and tokenizer from a GGUF file or a Hugging Face folder. Both readers
+give Hugging Face tensor names; `hf_to_internal` fuses them into `LlamaModel`'s layout."""
 
 from __future__ import annotations
 
@@ -37,7 +28,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LoadedModel:
     model: LlamaModel
     config: ModelConfig
-    tokenizer: Any | None          # a transformers tokenizer, or None (no tokenizer files)
+    tokenizer: Any | None
     chat_template: str | None
 
 
@@ -52,9 +43,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load_model(path: str, dtype: str | torch.dtype = torch.float32,
                load_tokenizer: bool = True, weights: str = "float",
                quantization: str | None = None) -> LoadedModel:
-    """Load from a `.gguf` file or a Hugging Face folder (config.json + *.safetensors).
-
-    `weights` (GGUF): "quantized" keeps 4-bit tensors 4-bit, "float" dequantizes to `dtype`.
+    """`weights` (GGUF): "quantized" keeps 4-bit tensors 4-bit, "float" dequantizes to `dtype`.
     `quantization` (HF folders): "int4" quantizes the projections at load (Q4_1's scheme)."""
     dtype = resolve_dtype(dtype)
     if weights not in WEIGHTS:
@@ -80,8 +69,6 @@ def load_model(path: str, dtype: str | torch.dtype = torch.float32,
 
 def build_model(config: ModelConfig, hf_tensors: dict[str, torch.Tensor | GroupQuant],
                 dtype: torch.dtype) -> LlamaModel:
-    """A LlamaModel holding `hf_tensors` (HF names), without a throwaway random init.
-    GroupQuant projections become Int4Linear."""
     state = hf_to_internal(hf_tensors, config)
     with torch.device("meta"):
         model = LlamaModel(config)
@@ -96,7 +83,6 @@ def build_model(config: ModelConfig, hf_tensors: dict[str, torch.Tensor | GroupQ
 
 
 def hf_to_internal(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF Llama/Qwen2 names -> LlamaModel names, fusing q/k/v and gate/up."""
     def get(name: str) -> torch.Tensor:
         if name not in t:
             raise ValueError(f"weights are missing tensor {name!r}")
@@ -123,13 +109,11 @@ def hf_to_internal(t: dict[str, torch.Tensor], config: ModelConfig) -> dict[str,
 
 
 def _cat_rows(parts: list[torch.Tensor | GroupQuant]) -> torch.Tensor | GroupQuant:
-    """Fuse projections: 4-bit when every part is (a Q6_K v beside Q4_K q/k: float)."""
+    """4-bit when every part is (a Q6_K v beside Q4_K q/k: float)."""
     if all(isinstance(p, GroupQuant) for p in parts):
         return GroupQuant.cat(parts)
     return torch.cat([p.dequantize() if isinstance(p, GroupQuant) else p for p in parts])
 
-
-# --- Hugging Face folder ---------------------------------------------------------------
 
 def read_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
@@ -151,15 +135,11 @@ def read_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def _tokenizer(path: str) -> Any | None:
-    """The tokenizer that comes with the weights (pipeline.tokenizer.load_tokenizer); None for a
-    folder without tokenizer files."""
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, n)) for n in names):
         return None
     return pipeline.tokenizer.load_tokenizer(path)
 
-
-# --- GGUF ------------------------------------------------------------------------------
 
 def _supported_quant_types() -> set[Any]:
     from gguf import GGMLQuantizationType as Q
@@ -223,15 +203,15 @@ def _hf_name(name: str) -> str | None:
         return "model.norm.weight"
     if name == "output.weight":
         return "lm_head.weight"
-    parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
+    parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_TO_HF:
         return f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.{parts[3]}"
-    return None  # tensors this model does not use
+    return None
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k permutation: per head, rows were reordered from
-    [first half; second half] to interleaved pairs."""
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs per head), so the
+    rotate-half RoPE of HF and `llama.py` applies. Qwen2 files are not permuted."""
     rows = w.shape[0]
     head_dim = rows // n_heads
     return (w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2)
@@ -240,7 +220,6 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def read_gguf(path: str, quantized: bool = False
               ) -> tuple[ModelConfig, dict[str, torch.Tensor | GroupQuant]]:
-    """Config and HF-named tensors; with `quantized`, 4-bit projections as GroupQuant."""
     import gguf
 
     if not os.path.isfile(path):
@@ -257,8 +236,8 @@ def read_gguf(path: str, quantized: bool = False
     tensors: dict[str, torch.Tensor | GroupQuant] = {}
     for t in table["tensors"]:
         raw = data[t["offset"]:t["offset"] + t["bytes"]].view(np.dtype(t["dtype"]))
-        # the token table stays float: a lookup reads rows, and as a tied LM head its logits
-        # must be float32 (torch's int8/int4 kernels give bfloat16 logits: ties, coarse logprobs)
+        # The token table stays float: as a tied LM head, torch's int8/int4 kernels would give
+        # bfloat16 logits (ties, coarse logprobs).
         embedding = t["hf"] == "model.embed_tokens.weight"
         if quantized and t["type"] in _GROUP_QUANT_TYPES and not embedding:
             gq = gguf_group_quant(raw.reshape(t["shape"]), t["type"], _logical_shape(t))
@@ -272,7 +251,7 @@ def read_gguf(path: str, quantized: bool = False
                        dtype=np.float32)
         if t["unpermute_heads"]:
             w = unpermute_rope_rows(w, t["unpermute_heads"])
-        tensors[t["hf"]] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
+        tensors[t["hf"]] = torch.from_numpy(np.array(w, dtype=np.float32))  # writable copy
     return config, tensors
 
 
@@ -280,7 +259,6 @@ _GROUP_QUANT_TYPES = (2, 3, 12)  # GGMLQuantizationType Q4_0, Q4_1, Q4_K
 
 
 def _logical_shape(t: dict[str, Any]) -> tuple[int, int]:
-    """[rows, weights per row] of a quantized tensor from its byte shape in the table."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t["type"])]
@@ -288,13 +266,11 @@ def _logical_shape(t: dict[str, Any]) -> tuple[int, int]:
     return rows, nbytes // size * block
 
 
-_TABLE_FORMAT = 1  # bump when the table's fields change: older entries then miss
+_TABLE_FORMAT = 1  # bump when the table's fields change
 
 
 def gguf_table(reader: Any, path: str) -> dict[str, Any]:
-    """What loading needs from a GGUF besides the weights' bytes: the model config and, per
-    tensor the model uses, its HF name, type, place in the file and byte shape (as gguf's reader
-    lays it out), and the heads to undo llama.cpp's q/k permutation over (0: none). Validates
+    """What loading needs from a GGUF besides the weights' bytes (cached per file). Validates
     like a load does, so nothing unsupported is ever cached."""
     config = gguf_config(reader, path)
     arch = _field(reader, "general.architecture")
@@ -331,5 +307,5 @@ def _read_table(folder: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(folder, "table.json")) as f:
             return json.load(f)
-    except (OSError, ValueError):  # absent (the usual miss) or damaged: read the GGUF
+    except (OSError, ValueError):  # absent or damaged: read the GGUF
         return None

@@ -1,12 +1,6 @@
-"""The null model (`model: null:<forward_ms>`): a forward that costs nothing, or a fixed sleep
-standing in for an accelerator's forward, so a benchmark sees only what the engine, the stages
-and the transport add to a step (scripts/bench_step_overhead.py).
-
-Its next token is a fixed function of the current one (`NEXT`), never the end-of-sequence token,
-so every request runs to `max_tokens` and greedy outputs are known without running it. It has
-the tiny model's vocabulary and byte tokenizer and a one-layer KV cache the runner books blocks
-in but the model never reads.
-"""
+"""The null model (`model: null:<forward_ms>`): a free forward, or a fixed sleep standing in for
+an accelerator's, so a benchmark sees only what the engine adds to a step. Its next token is
+`next_token` of the current one, never end-of-sequence: every request runs to `max_tokens`."""
 
 from __future__ import annotations
 
@@ -24,7 +18,6 @@ def null_config() -> ModelConfig:
 
 
 def next_token(token: int, vocab_size: int, eos_token_ids: list[int]) -> int:
-    """The null model's greedy successor of `token`: the next id, skipping end-of-sequence ids."""
     nxt = (token + 1) % vocab_size
     while nxt in eos_token_ids:
         nxt = (nxt + 1) % vocab_size
@@ -38,7 +31,6 @@ class NullModel(torch.nn.Module):
         self.forward_s = forward_ms / 1000.0
         vocab = config.vocab_size
         successors = [next_token(t, vocab, config.eos_token_ids) for t in range(vocab)]
-        # row t: a peaked distribution on t's successor (a real probability for sampling)
         table = torch.full((vocab, vocab), -10.0)
         table[torch.arange(vocab), torch.tensor(successors)] = 10.0
         self.register_buffer("table", table)

@@ -1,12 +1,6 @@
-"""4-bit weights that stay 4-bit: GGUF Q4_0 / Q4_1 / Q4_K blocks (or float weights quantized at
-load) run on torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, bfloat16 activations).
-
-Each of those formats is, per group of 32 weights along a row, `w = d * q + m` with a 4-bit
-code q, so one layout holds all three exactly: `GroupQuant` (codes, scale d, offset m). Torch's
-kernel reads `w = (q - 8) * scale + zero`, hence `zero = m + 8 * d`. Codes stay unpacked
-until the first forward (or `pack_quantized`), so fusing q/k/v and tensor-parallel sharding
-slice them like float rows and columns.
-"""
+"""4-bit weights on torch's CPU int4 kernel: GGUF Q4_0 / Q4_1 / Q4_K, or float weights quantized
+at load. All three formats are `w = d * q + m` per 32 weights, held exactly by `GroupQuant`;
+codes stay unpacked until the first forward so fusing and TP sharding slice them like floats."""
 
 from __future__ import annotations
 
@@ -17,16 +11,16 @@ import torch
 from torch import nn
 
 GROUP = 32  # weights per scale: the block of Q4_0/Q4_1 and the sub-block of Q4_K
-COMPUTE_DTYPE = torch.bfloat16  # the kernel's fast input dtype on CPU (float32: ~25x slower)
+COMPUTE_DTYPE = torch.bfloat16  # the kernel's fast input dtype on CPU
 
 
 @dataclass
 class GroupQuant:
-    """A weight [N, K] as `codes * scale + offset`, one scale and offset per GROUP columns."""
+    """A weight [N, K] as `codes * scale + offset` (uint8 codes, float32 [N, K // GROUP])."""
 
-    codes: torch.Tensor   # uint8 [N, K], 0..15
-    scale: torch.Tensor   # float32 [N, K // GROUP]
-    offset: torch.Tensor  # float32 [N, K // GROUP]
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -53,7 +47,7 @@ class GroupQuant:
 
 
 def quantize_float(w: torch.Tensor) -> GroupQuant:
-    """Round-to-nearest min/max quantization of a float [N, K] (Q4_1's scheme)."""
+    """Round-to-nearest min/max (Q4_1's scheme)."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"4-bit quantization needs in_features divisible by {GROUP}, got {k}")
@@ -65,15 +59,11 @@ def quantize_float(w: torch.Tensor) -> GroupQuant:
     return GroupQuant(codes.reshape(n, k), scale, lo)
 
 
-# --- GGUF blocks -----------------------------------------------------------------------------
-
 def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
-    """[..., group/2] bytes -> [..., group] codes: low nibbles first, then high (ggml's order)."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
 def gguf_group_quant(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> GroupQuant:
-    """Q4_0 / Q4_1 / Q4_K bytes ([N, bytes per row] as gguf lays them out) -> GroupQuant [N, K]."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import Q4_K
 
@@ -84,7 +74,7 @@ def gguf_group_quant(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Gro
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         if qtype == Q.Q4_0:  # w = d * (q - 8)
             m, qs = -8 * d, blocks[..., 2:]
-        else:                # w = d * q + m
+        else:
             m, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), \
                 blocks[..., 4:]
         codes = _nibbles(qs, GROUP)
@@ -93,8 +83,8 @@ def gguf_group_quant(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Gro
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
         dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
         sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
-        d, m = d * sc.astype(np.float32), -dmin * mn.astype(np.float32)  # [blocks, 8]
-        qs = blocks[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 weights: low, then high nibbles
+        d, m = d * sc.astype(np.float32), -dmin * mn.astype(np.float32)
+        qs = blocks[:, 16:].reshape(-1, 4, 32)
         codes = _nibbles(qs, 64).reshape(-1, 8, GROUP)
     else:
         raise ValueError(f"not a 4-bit group format: {Q(qtype).name}")
@@ -103,11 +93,8 @@ def gguf_group_quant(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> Gro
                       torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // GROUP)))
 
 
-# --- the layer -------------------------------------------------------------------------------
-
 class Int4Linear(nn.Module):
-    """`nn.Linear` over a GroupQuant weight on the CPU int4 kernel: bfloat16 inside it, the
-    caller's dtype in and out."""
+    """bfloat16 inside, the caller's dtype in and out."""
 
     def __init__(self, weight: GroupQuant, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -115,18 +102,16 @@ class Int4Linear(nn.Module):
         self.weight: GroupQuant | None = weight
         self.bias = None if bias is None else \
             nn.Parameter(bias.detach().to(COMPUTE_DTYPE), requires_grad=False)
-        # Plain attributes, not buffers: `Module.to(dtype)` of a model built around an already
-        # packed layer must not widen the kernel's bfloat16 scales (CPU only, never moved).
+        # Not buffers: `Module.to(dtype)` must not widen the kernel's bfloat16 scales.
         self.packed: torch.Tensor | None = None
         self.scales_zeros: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Codes -> the kernel's packed layout (idempotent); the unpacked copy is dropped."""
         w = self.weight
         if w is None:
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 1)
-        zero = w.offset + 8 * w.scale
+        zero = w.offset + 8 * w.scale  # the kernel reads (q - 8) * scale + zero
         self.scales_zeros = torch.stack([w.scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE) \
             .contiguous()
         self.weight = None
@@ -147,16 +132,15 @@ class Int4Linear(nn.Module):
 
 
 def pack_quantized(model: nn.Module) -> None:
-    """Pack every Int4Linear (after TP sharding, before serving: keeps the first step fast)."""
+    """After TP sharding, before serving: keeps the first step fast."""
     for module in model.modules():
         if isinstance(module, Int4Linear):
             module.pack()
 
 
 def quantize_linears(model: nn.Module) -> None:
-    """Replace each decoder projection (an nn.Linear inside `model.layers`; the embedding and
-    LM head keep their precision, as llama.cpp's Q4_K_M keeps its output tensor at 6 bits)
-    with an Int4Linear of its weight: `quantization: int4` for float sources."""
+    """`quantization: int4`: every projection inside `model.layers` becomes an Int4Linear; the
+    embedding and LM head keep their precision (as llama.cpp's Q4_K_M does)."""
     found = [(parent, name, child) for parent in model.layers.modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, linear in found:

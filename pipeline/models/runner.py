@@ -1,15 +1,6 @@
-"""The ModelRunner class (built by pipeline.models.runners): the engine's handle on one model
-replica (or one tensor-parallel rank).
-
-It owns the block-paged KV cache and turns `forward(slots, runs)` into one batched model call:
-run i is appended to slot i at its committed length (the slot's block table grows first), its
-KV is written, the slot length advances, and the logits of every new token come back. Rolling
-back rejected drafts is `truncate`, a length update that frees the blocks past the end.
-
-Under tensor parallelism every rank builds a runner over its `apply_tp`-sharded model and
-calls the same methods with the same arguments in lockstep; slot and block allocation are
-deterministic (lowest free slot, first freed block), so all ranks hold the same ids.
-"""
+"""ModelRunner: one model replica (or tensor-parallel rank) and its block-paged KV cache;
+`forward(slots, runs)` appends run i to slot i in one batched model call. TP ranks call the
+same methods with the same arguments in lockstep, so they hold the same slot and block ids."""
 
 from __future__ import annotations
 
@@ -32,8 +23,8 @@ class ModelRunner:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  backend: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
                  kv_cache_tokens: int | None = None, prefix_caching: bool = False) -> None:
-        """`num_slots`: the most sequences at once; `kv_cache_tokens`: the pool's size in
-        tokens (rounded up to whole blocks; None: num_slots x max_len, one full row each)."""
+        """`kv_cache_tokens`: the pool's size, rounded up to whole blocks (None: num_slots x
+        max_len)."""
         self.config = config
         self.num_slots = num_slots
         self.max_len = max_len
@@ -43,9 +34,9 @@ class ModelRunner:
         self.backend = resolve_backend(backend, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         if self.device.type == "cpu" and dtype == torch.float32 and hasattr(self.model, "layers"):
-            use_column_major_weights(self.model)  # not the null model: it has no projections
+            use_column_major_weights(self.model)
         pack_quantized(self.model)
-        self.tokenizer = None  # set by load_runner when the source has one
+        self.tokenizer = None
         self.chat_template: str | None = None
         if self.backend == "flash" and block_size % FLASH_PAGE_MULTIPLE:
             raise ValueError(f"block_size: attention backend 'flash' needs a multiple of "
@@ -58,9 +49,7 @@ class ModelRunner:
             prefix_caching=prefix_caching,
         )
 
-    # --- slots -------------------------------------------------------------------------
     def allocate(self) -> int:
-        """A new slot with length 0; CacheFullError when none is free."""
         return self.cache.allocate()
 
     def free(self, slot: int) -> None:
@@ -73,9 +62,7 @@ class ModelRunner:
         return self.cache.blocks.num_free
 
     def attach_prefix(self, slot: int, tokens: list[int]) -> int:
-        """Prefix caching: a new slot starts with the longest cached prefix of `tokens` (whole
-        blocks, never all of them); returns how many tokens that is (0 with caching off). The
-        caller then feeds only `tokens[n:]`."""
+        """Returns n, the cached prefix's length (0 with caching off): feed only `tokens[n:]`."""
         return self.cache.attach_prefix(slot, tokens)
 
     def length(self, slot: int) -> int:
@@ -83,29 +70,21 @@ class ModelRunner:
         return self.cache.lengths[slot]
 
     def truncate(self, slot: int, length: int) -> None:
-        """Rollback: committed length := length (<= current). The first `length` tokens must be
-        committed ones (prompt, accepted output): with prefix caching their full blocks become
-        reusable by other requests."""
+        """Roll back; the first `length` tokens must be committed (their blocks get cached)."""
         self.cache.truncate(slot, length)
 
-    # --- forward -----------------------------------------------------------------------
     def forward(self, slots: list[int], runs: list[list[int]],
                 last_only: bool | list[bool] = False, packed: bool = False
                 ) -> list[torch.Tensor] | torch.Tensor:
-        """Append run i at slot i's length; return per-run float32 logits [len(run), vocab].
-
-        `last_only` (one flag, or one per run) returns only a run's last row ([1, vocab]):
-        a prefill that needs just the next token skips the LM head for the rest of its
-        prompt, and can share one forward with verify runs that need every row.
-        `packed`: the rows as the model returns them, the runs' stacked [N, vocab] (the
-        verifier's greedy acceptance wants them so: no view per run, no copy to stack them).
-        """
+        """Append run i at slot i's length; per-run float32 logits [len(run), vocab]. `last_only`
+        (one flag or one per run): only the run's last row, skipping the LM head for the rest.
+        `packed`: one stacked [N, vocab] tensor instead of a list."""
         starts = self._validate(slots, runs)
         q_lens = [len(r) for r in runs]
         flags = [last_only] * len(runs) if isinstance(last_only, bool) else list(last_only)
         if len(flags) != len(runs):
             raise ValueError(f"forward: {len(flags)} last_only flags for {len(runs)} runs")
-        # numpy for the id checks: torch's min/max and tensor-from-list cost more per call
+        # numpy: torch's min/max and tensor-from-list cost more per call
         ids = np.fromiter(itertools.chain.from_iterable(runs), dtype=np.int64, count=sum(q_lens))
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.vocab_size:

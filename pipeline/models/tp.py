@@ -1,15 +1,7 @@
-"""Tensor parallelism applied from outside the model (as gpt-fast's `apply_tp`).
-
-`apply_tp(model, rank, world_size)` rewrites a built `LlamaModel` in place:
-- column-parallel: `wqkv` keeps this rank's query heads and KV heads (q, k and v rows are
-  sharded separately, then re-fused); `w_gate_up` keeps this rank's gate and up rows.
-- row-parallel: `wo` and `w_down` keep the matching input columns; a forward hook sums
-  the partial outputs of the attention and MLP modules across ranks with `all_reduce`.
-- embeddings, norms and the LM head stay replicated (every rank computes full logits).
-
-Every rank must then call the model (through its ModelRunner) with identical arguments
-in lockstep; the KV cache of each rank holds only its own KV heads.
-"""
+"""Tensor parallelism applied from outside the model (as gpt-fast's `apply_tp`): `wqkv` and
+`w_gate_up` keep this rank's rows of each fused part, `wo` and `w_down` the matching input
+columns, summed across ranks by an `all_reduce` hook; embeddings, norms and LM head stay whole.
+Every rank must call the model with identical arguments in lockstep."""
 
 from __future__ import annotations
 
@@ -27,8 +19,7 @@ from pipeline.models.quant import GroupQuant, Int4Linear
 
 def init_distributed(rank: int, world_size: int, init_method: str,
                      backend: str | None = None, timeout_s: float = 300.0) -> str:
-    """Join the process group: NCCL when CUDA is available, gloo otherwise. Returns the
-    backend used. `init_method` is e.g. "tcp://10.0.0.1:29500" or "file:///tmp/tp_init"."""
+    """NCCL when CUDA is available, gloo otherwise; returns the backend used."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -39,7 +30,6 @@ def init_distributed(rank: int, world_size: int, init_method: str,
 
 
 def check_tp(config: ModelConfig, world_size: int) -> None:
-    """ValueError naming the first dimension that does not divide by `world_size`."""
     if world_size < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {world_size}")
     for name in ("num_heads", "num_kv_heads", "intermediate_size"):
@@ -50,14 +40,13 @@ def check_tp(config: ModelConfig, world_size: int) -> None:
 
 
 def _rows(w: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
-    """Split w's rows into parts of `sizes`, keep this rank's 1/world of each, re-fuse."""
     return torch.cat([part.chunk(world, dim=0)[rank] for part in w.split(sizes, dim=0)])
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
                     device="meta", dtype=weight.dtype)
-    # Copies, so the full unsharded tensors can be freed.
+    # Copies, so the unsharded tensors can be freed.
     lin.weight = nn.Parameter(weight.clone(memory_format=torch.contiguous_format),
                               requires_grad=False)
     if bias is not None:
@@ -66,7 +55,6 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 def _column_parallel(linear: nn.Module, sizes: list[int], rank: int, world: int) -> nn.Module:
-    """This rank's rows of each fused part (and of the bias)."""
     bias = linear.bias
     bias = None if bias is None else _rows(bias, sizes, rank, world)
     if isinstance(linear, Int4Linear):
@@ -78,7 +66,6 @@ def _column_parallel(linear: nn.Module, sizes: list[int], rank: int, world: int)
 
 
 def _row_parallel(linear: nn.Module, rank: int, world: int) -> nn.Module:
-    """This rank's input columns (a 4-bit weight splits only at whole groups)."""
     if isinstance(linear, Int4Linear):
         width = linear.in_features // world
         return Int4Linear(linear.weight.columns(rank * width, (rank + 1) * width), None)
@@ -94,7 +81,6 @@ def _all_reduce_hook(group: dist.ProcessGroup | None):
 
 def apply_tp(model: LlamaModel, rank: int, world_size: int,
              group: dist.ProcessGroup | None = None) -> LlamaModel:
-    """Shard `model` for `rank` of `world_size` (in place); see the module docstring."""
     cfg = model.config
     check_tp(cfg, world_size)
     if world_size == 1:
@@ -121,10 +107,8 @@ def apply_tp(model: LlamaModel, rank: int, world_size: int,
 
 
 def check_ranks_agree(digest: bytes, what: str, group: dist.ProcessGroup | None = None) -> None:
-    """A collective (every rank calls it in lockstep): each rank's 16-byte `digest` of `what`
-    is gathered; KVDivergenceError on every rank, naming the ranks, when they differ. The
-    verifier calls it before a forward whose shapes depend on per-rank state (prefix-cache
-    hits), so diverged ranks fail with a clear error instead of a mismatched all_reduce."""
+    """A collective: KVDivergenceError on every rank, naming the ranks, when their digests
+    differ; diverged ranks then fail clearly instead of in a mismatched all_reduce."""
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     mine = torch.frombuffer(bytearray(digest[:16].ljust(16, b"\0")), dtype=torch.int64)
     mine = mine.to(device)

@@ -1,11 +1,5 @@
-"""Coalescing a stream of deltas for a hop that costs per message (the engine replica's relay).
-
-Each message through a Ray Serve streaming call costs both ends about the same whatever it
-carries, so a relay that sends one message per engine step spends its CPU on messages, not
-tokens. `coalesce` keeps reading its source while the consumer is busy and hands over everything
-that arrived since in one list: an idle consumer gets each item alone and at once (no added
-latency); a busy one gets fewer, larger lists. Order is kept; nothing is dropped.
-"""
+"""Coalescing a stream for a hop that costs per message (the engine replica's relay): an idle
+consumer gets each item at once, a busy one what arrived meanwhile in one list."""
 
 from __future__ import annotations
 
@@ -17,11 +11,8 @@ T = TypeVar("T")
 
 
 async def coalesce(source: AsyncIterator[T]) -> AsyncIterator[list[T]]:
-    """`source`'s items in order, in lists of what arrived while the consumer was away.
-
-    An error of `source` is raised after the items that came before it. Closing or cancelling
-    the consumer cancels the reading of `source` (so its own clean-up, e.g. an engine abort, runs).
-    """
+    """An error of `source` is raised after the items before it. Closing the consumer cancels
+    the reading of `source`, so its own clean-up (an engine abort) runs."""
     pending: list[T] = []
     arrived = asyncio.Event()
     ended = False
@@ -33,8 +24,7 @@ async def coalesce(source: AsyncIterator[T]) -> AsyncIterator[list[T]]:
             async for item in source:
                 pending.append(item)
                 arrived.set()
-        # handed to the consumer after the items before it; a cancellation from inside the
-        # source too (the consumer must not take it for a clean end)
+        # A cancellation from inside the source too: the consumer must not take it for an end.
         except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001
             error = e
         finally:
@@ -45,7 +35,7 @@ async def coalesce(source: AsyncIterator[T]) -> AsyncIterator[list[T]]:
     try:
         while True:
             await arrived.wait()
-            arrived.clear()  # before taking: what arrives from here on sets it again
+            arrived.clear()  # before taking, so what arrives from here on sets it again
             if pending:
                 batch = pending[:]
                 pending.clear()
@@ -55,4 +45,4 @@ async def coalesce(source: AsyncIterator[T]) -> AsyncIterator[list[T]]:
                     raise error
                 return
     finally:
-        reader.cancel()  # the consumer left early: stop reading (the source cleans up)
+        reader.cancel()

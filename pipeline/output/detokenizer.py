@@ -1,6 +1,5 @@
-"""Batch decoding over a tokenizer, and the facts about it the text rules need (special ids,
-byte-fallback tokens, whether decoding needs context). The rules themselves (committed text, stop
-strings, hold-back) are in `pipeline.output.text`."""
+"""Batch decoding over a tokenizer, and what the text rules (`pipeline.output.text`) need to
+know of it: special ids, byte-fallback tokens, whether decoding needs context."""
 
 from __future__ import annotations
 
@@ -13,25 +12,22 @@ from tokenizers import Tokenizer, decoders
 
 
 class Detokenizer:
-    """Batch decoding over a Hugging Face tokenizer (fast or slow) or a `tokenizers.Tokenizer`."""
+    """Over a Hugging Face tokenizer (fast or slow) or a `tokenizers.Tokenizer`."""
 
     def __init__(self, tokenizer: Any, context_free: bool | None = None) -> None:
         self.tokenizer = tokenizer
         backend = _backend(tokenizer)
         self._backend = backend
         cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
-        # The Rust decode_batch is one call for the whole batch; fall back to the tokenizer's own
-        # batch_decode when it post-processes text (clean-up) or there is no Rust backend.
+        # The Rust decode_batch, unless the tokenizer post-processes text (clean-up).
         self._native = backend is not None and (not cleanup or backend is tokenizer)
         self.special_ids = _special_ids(tokenizer, backend)
         if context_free is None:
             context_free = _is_byte_level(backend)
         self.context_free = context_free
-        # <0xNN> tokens of a byte-fallback decoder (empty otherwise): pipeline.output.text says why.
         self.byte_tokens = _byte_fallback_ids(backend)
 
     def trailing_byte_run(self, seq: Sequence[int]) -> int:
-        """How many byte-fallback tokens end `seq` (0 for other tokenizers)."""
         byte_tokens = self.byte_tokens
         n = 0
         for t in reversed(seq):
@@ -41,7 +37,7 @@ class Detokenizer:
         return n
 
     def decode_batch(self, seqs: list[list[int]], skip: list[bool]) -> list[str]:
-        """Decode every sequence; one call per distinct `skip_special_tokens` value."""
+        """One call per distinct `skip_special_tokens` value."""
         if not seqs:
             return []
         first = skip[0]

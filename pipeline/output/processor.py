@@ -1,18 +1,7 @@
 """The output path: verify steps in, per-request RequestOutput deltas out (docs/contracts.md).
-
-One step, in passes over the batch (nothing is per token in Python on the common path):
-
-1. look up each request; check the step can serve what it asked (logprobs) -> ProtocolError before
-   any state changes; a vectorised stop-token/EOS mask over the step's flat token array marks the
-   few windows that might finish, together with `window >= remaining` (length: one int compare in
-   the rid lookup loop that runs anyway; gathering the counters into an array would cost the same);
-2. for those, grammar matchers are fed and `pipeline.output.finish.find_finish` gives the token-level
-   finish; the window is cut there;
-3. one batched decode of the (cut) windows of all requests with text; stop strings are searched in
-   the new text only and map back to their token only when they match, which may cut the window
-   earlier;
-4. commit: ids, the logprob boundary, spec statistics, text offsets, and the deltas.
-"""
+A step is four passes over the batch, none per token in Python on the common path: select the
+requests and the few windows that might finish, token-level finishes of those, one batched
+decode with stop strings, then commit."""
 
 from __future__ import annotations
 
@@ -43,7 +32,7 @@ from pipeline.params import SamplingParams
 from pipeline.protocol import ProtocolError, StepColumns, decode_columns
 
 FINISHED_MEMORY = 1 << 16  # finished rids remembered to tell late steps from unknown requests
-STOP_TABLE_MAX = 1 << 22  # stop ids below this are found with a bool lookup table
+STOP_TABLE_MAX = 1 << 22
 
 _BY_TOKEN = (FinishKind.EOS, FinishKind.STOP_TOKEN)
 _STATUS = {
@@ -57,10 +46,7 @@ _STATUS = {
 
 
 class OutputProcessor:
-    """Turns verify steps into RequestOutput deltas; see docs/contracts.md, *Output path*.
-
-    `tokenizer=None` turns text off (deltas carry ids and logprobs only; stop strings are refused).
-    """
+    """See docs/contracts.md, *Output path*."""
 
     def __init__(
         self,
@@ -70,22 +56,18 @@ class OutputProcessor:
     ) -> None:
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.dropped_steps = 0  # step entries of finished/aborted/unknown requests, dropped whole
-        self.dropped_unknown = 0  # of those, rids never added (or forgotten)
+        self.dropped_steps = 0
+        self.dropped_unknown = 0
         self._requests: dict[str, RequestState] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._finished_memory = finished_memory
         self._stop_refs: dict[int, int] = {}  # stop/EOS id -> running requests that stop on it
-        self._stop_table: np.ndarray | None = None  # bool [max id + 2]; rebuilt when refs change
-        # The last applied step's request states, one per row (None: unknown). Identical objects
-        # in a later step mean the same requests in the same order (TracedOutputProcessor).
+        self._stop_table: np.ndarray | None = None
+        # The last step's states per row: the same objects later mean the same requests.
         self.step_rows: list[RequestState | None] = []
-
-    # -- requests -------------------------------------------------------------------------------
 
     @property
     def num_requests(self) -> int:
-        """Requests still running."""
         return len(self._requests)
 
     def get_state(self, rid: str) -> RequestState | None:
@@ -119,7 +101,6 @@ class OutputProcessor:
                 self._stop_table = None
 
     def abort(self, rid: str) -> RequestOutput | None:
-        """End a running request ("abort"); its held-back text is settled. None if not running."""
         st = self._requests.get(rid)
         if st is None:
             return None
@@ -148,14 +129,10 @@ class OutputProcessor:
                 del self._stop_refs[t]
                 self._stop_table = None
 
-    # -- steps ----------------------------------------------------------------------------------
-
     def process(self, payload: bytes) -> list[RequestOutput]:
-        """Apply one VerifyStep message. Raises ProtocolError, changing nothing, when malformed."""
         return self.process_columns(decode_columns(payload))
 
     def process_columns(self, cols: StepColumns) -> list[RequestOutput]:
-        """Apply one validated step (see `process` and the passes in the module docstring)."""
         step = self._select(cols)
         if step.slow:
             self._token_finishes(step)
@@ -166,8 +143,8 @@ class OutputProcessor:
         return outs
 
     def _select(self, cols: StepColumns) -> _Step:
-        """Pass 1: which requests are in the step, and which might finish. No state changes but
-        the dropped-step counts, so a ProtocolError here leaves every request as it was."""
+        """Pass 1: which requests are in the step, and which might finish. Changes only the
+        dropped counts, so a ProtocolError here leaves every request as it was."""
         step = _Step(cols, cols.offsets.tolist(), cols.tokens.tolist())
         offs, live, slow, tops = step.offs, step.live, step.slow, step.tops
         hits = self._stop_token_hits(cols)
@@ -206,7 +183,6 @@ class OutputProcessor:
 
     @staticmethod
     def _token_finishes(step: _Step) -> None:
-        """Pass 2: token-level finish (stop token / EOS, grammar, length) of the few candidates."""
         offs, toks = step.offs, step.toks
         for i, st in step.slow:
             window = toks[offs[i] : offs[i + 1]]
@@ -222,8 +198,7 @@ class OutputProcessor:
                 step.fins[i] = fin
 
     def _texts(self, step: _Step) -> None:
-        """Pass 3: every request's text delta (pipeline.output.text: one batched decode, stop
-        strings, hold-back); a stop string completing before a token-level finish moves it."""
+        """Pass 3: text deltas; a stop string completing before a token-level finish moves it."""
         detok = self.detokenizer
         special = detok.special_ids
         offs, toks, fins = step.offs, step.toks, step.fins
@@ -234,7 +209,7 @@ class OutputProcessor:
             if fin is not None:
                 end = offs[i] + fin.pos - len(st.output_ids) + 1
                 if fin.kind in _BY_TOKEN and fin.matched in special:
-                    end -= 1  # a special stop token's text is not emitted
+                    end -= 1
             reqs.append((st.text, st.output_ids, toks[offs[i] : end], st.params.skip_special_tokens))
         texts = step.texts
         for (i, st), wt in zip(step.live, decode_windows(detok, reqs)):
@@ -243,7 +218,7 @@ class OutputProcessor:
             if st.stops is not None:
                 match = find_stop(detok, ts, st.output_ids, wt, st.stops,
                                   st.rules.min_new_tokens, params.skip_special_tokens)
-                if match is not None:  # rare: the finish rules weigh it against the others
+                if match is not None:
                     window = toks[offs[i] : offs[i + 1]]
                     fin = fins[i] = find_finish(window, len(st.output_ids), st.rules, match.hit,
                                                 step.grammar_at.get(i),
@@ -259,12 +234,11 @@ class OutputProcessor:
                 texts[i] = release(detok, ts, wt, st.stops, params.include_stop_str_in_output, end)
 
     def _commit(self, step: _Step) -> list[RequestOutput]:
-        """Pass 4: ids, the logprob boundary, spec statistics, text offsets, finishes; the deltas."""
         cols, offs, toks, fins, texts = step.cols, step.offs, step.toks, step.fins, step.texts
         drafted = cols.drafted.tolist()
         lps = cols.logprobs.tolist() if step.want_lp else None
         if step.tops:
-            # All (id, logprob) pairs of the step in one C-level pass; a token's entries are a slice.
+            # All (id, logprob) pairs in one C-level pass; a token's entries are a slice.
             pairs = list(zip(cols.top_ids.tolist(), cols.top_logprobs.tolist()))
             top_n = cols.top_n.tolist()
             top_offs = cols.top_offsets.tolist()
@@ -276,7 +250,7 @@ class OutputProcessor:
             fin = fins.get(i) if fins else None
             keep = n if fin is None else fin.pos - len(st.output_ids) + 1
             ids = toks[a : a + keep]
-            # A request's first step is its prefill unless it drafted (then it verified).
+            # docs/contracts.md, *Speculative statistics*: a first step counts only if it drafted.
             verified = len(st.output_ids) > 0 or drafted[i] > 0
             st.output_ids.extend(ids)
             st.last_step = cols.step
@@ -289,7 +263,7 @@ class OutputProcessor:
                     tn = top_n[i]
                     t0 = top_offs[i]
                     out_top = [pairs[j : j + n_lp] for j in range(t0, t0 + keep * tn, tn)]
-            if verified:  # drafted or not (docs/contracts.md, *Speculative statistics*)
+            if verified:
                 st.stats.add(keep, drafted[i])
             text = ""
             if st.text is not None:
@@ -310,11 +284,8 @@ class OutputProcessor:
         st.error = fin.error
         self._retire(st)
 
-    # -- helpers --------------------------------------------------------------------------------
-
     @staticmethod
     def _check_top(cols: StepColumns, tops: list[tuple[int, int]]) -> None:
-        """Every request asking for top-N logprobs gets at least N per token from this step."""
         have = [0] * len(cols.rids) if cols.top_n is None else cols.top_n.tolist()
         for i, n_lp in tops:
             if have[i] < n_lp:
@@ -324,8 +295,7 @@ class OutputProcessor:
                 )
 
     def _stop_token_hits(self, cols: StepColumns) -> set[int]:
-        """Indices of the step's requests whose window holds a token that is a stop/EOS id of some
-        running request: one vectorised lookup over the flat token array."""
+        """Rows whose window holds a stop/EOS id of any running request."""
         if not self._stop_refs or not len(cols.tokens):
             return set()
         table = self._stop_table
@@ -334,7 +304,7 @@ class OutputProcessor:
             if int(ids.max()) < STOP_TABLE_MAX:
                 table = np.zeros(int(ids.max()) + 2, dtype=bool)  # last entry: "any larger id"
                 table[ids] = True
-            else:  # a huge id: keep a sorted id array instead of a huge table
+            else:
                 table = np.sort(ids)
             self._stop_table = table
         if table.dtype == bool:
@@ -354,47 +324,45 @@ def _delta(
     logprobs: list[float] | None,
     top_logprobs: list[list[tuple[int, float]]] | None,
 ) -> RequestOutput:
-    """The one place a RequestOutput is built: this step's ids, text and logprobs; the finish and
-    the cumulative statistics as the request's state holds them."""
+    """The one place a RequestOutput is built."""
     stats = st.stats
     status = st.status
     finished = status is not RequestStatus.RUNNING
-    # Positional, in field order: keywords to a dataclass constructor cost ~2 us more a call on
-    # CPython 3.11 (measured), about half the ids path's per-request cost. test_output checks
-    # every field by name.
+    # Positional, in field order: keywords cost a dataclass constructor ~2 us more a call, about
+    # half the ids path's per-request cost.
     return RequestOutput(
-        st.rid,  # rid
-        ids,  # token_ids
-        text,  # text
-        logprobs,  # logprobs
-        top_logprobs,  # top_logprobs
-        finished,  # finished
-        status.value if finished else None,  # finish_reason (RequestState.finish_reason)
-        st.finish_kind,  # finish_kind
-        st.matched_stop,  # matched_stop
-        st.finished_len,  # finished_len
-        st.finish_step,  # finish_step
-        stats.verify_ct,  # spec_verify_ct
-        stats.accepted_tokens,  # spec_accepted_tokens
-        stats.histogram.copy(),  # spec_acceptance_histogram
-        stats.draft_tokens,  # spec_draft_tokens
-        st.error,  # error
+        st.rid,
+        ids,
+        text,
+        logprobs,
+        top_logprobs,
+        finished,
+        status.value if finished else None,  # finish_reason
+        st.finish_kind,
+        st.matched_stop,
+        st.finished_len,
+        st.finish_step,
+        stats.verify_ct,
+        stats.accepted_tokens,
+        stats.histogram.copy(),
+        stats.draft_tokens,
+        st.error,
     )
 
 
 @dataclass(slots=True)
 class _Step:
-    """One step's columns as Python lists, and what each pass found (indices into the step)."""
+    """One step's columns as Python lists, and what each pass found (by row)."""
 
     cols: StepColumns
     offs: list[int]
     toks: list[int]
-    rows: list[RequestState | None] = field(default_factory=list)  # per row; None: unknown
+    rows: list[RequestState | None] = field(default_factory=list)
     live: list[tuple[int, RequestState]] = field(default_factory=list)  # known, not stale
     slow: list[tuple[int, RequestState]] = field(default_factory=list)  # might finish
-    tops: list[tuple[int, int]] = field(default_factory=list)  # (index, top-N) asking top-N
+    tops: list[tuple[int, int]] = field(default_factory=list)
     want_lp: bool = False
     fins: dict[int, Finish] = field(default_factory=dict)
     grammar_at: dict[int, int] = field(default_factory=dict)  # window index the grammar ended
-    grammar_errors: dict[int, str] = field(default_factory=dict)  # ... without accepting
+    grammar_errors: dict[int, str] = field(default_factory=dict)
     texts: dict[int, tuple[str, TextUpdate | None]] = field(default_factory=dict)

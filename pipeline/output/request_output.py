@@ -9,11 +9,8 @@ from typing import Any
 
 @dataclass
 class RequestOutput:
-    """New retained output of one request since its previous delta.
-
-    `logprobs` / `top_logprobs` align one-to-one with `token_ids` (None when the request asked for no
-    logprobs). The `spec_*` statistics are cumulative over the request's retained output.
-    """
+    """New retained output of one request since its previous delta; the `spec_*` statistics are
+    cumulative. Fields: docs/contracts.md, *RequestOutput*."""
 
     rid: str
     token_ids: list[int] = field(default_factory=list)
@@ -21,12 +18,7 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finished: bool = False
-    # "stop" | "length" | "abort" | None, or "error" (internal: the request failed, `error` says
-    # why; the front end answers with an error body / stream event, never a choice)
     finish_reason: str | None = None
-    # What ended it: "eos" | "stop_token" | "stop_string" | "grammar" | "grammar_error" |
-    # "length" | "abort" | None (pipeline.output.finish.FinishKind; "eos" is an EOS id not also in
-    # stop_token_ids)
     finish_kind: str | None = None
     matched_stop: int | str | None = None
     finished_len: int | None = None
@@ -35,24 +27,21 @@ class RequestOutput:
     spec_accepted_tokens: int = 0
     spec_acceptance_histogram: list[int] = field(default_factory=list)
     spec_draft_tokens: int = 0
-    error: str | None = None  # finish_reason "error": what went wrong (client-safe text)
-    # prompt tokens whose KV came from the prefix cache: on the request's first delta only
-    # (None on the others, and from stages that do not report it)
-    cached_tokens: int | None = None
+    error: str | None = None
+    cached_tokens: int | None = None  # on the first delta only
 
 
 @dataclass
 class Completion:
-    """A request's deltas folded together: its whole output so far (the front end's choices, the
-    CLI, benchmarks and tests all fold deltas with `add`)."""
+    """A request's deltas folded together (the one fold: front end, CLI and tests use it)."""
 
     rid: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[float] | None = None  # None until a delta carries logprobs
+    logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    last: RequestOutput | None = None  # the newest delta: finish and cumulative statistics
-    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    last: RequestOutput | None = None
+    cached_tokens: int | None = None
 
     @classmethod
     def fold(cls, deltas: Iterable[RequestOutput]) -> Completion:
@@ -67,7 +56,6 @@ class Completion:
             self.cached_tokens = delta.cached_tokens
         self.token_ids += delta.token_ids
         self.text += delta.text
-        # in place: the cost of a delta does not grow with the output
         if delta.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
@@ -95,8 +83,7 @@ class Completion:
         return self.last.matched_stop if self.last is not None else None
 
     def spec_stats(self) -> dict[str, Any]:
-        """The HTTP `spec_stats` object (docs/contracts.md, *HTTP surface*: the four cumulative
-        `spec_*` counts)."""
+        """The HTTP `spec_stats` object (docs/contracts.md, *HTTP surface*)."""
         last = self.last or RequestOutput(self.rid)
         return {"verify_ct": last.spec_verify_ct, "accepted_tokens": last.spec_accepted_tokens,
                 "acceptance_histogram": list(last.spec_acceptance_histogram),

@@ -1,10 +1,5 @@
-"""What the output path keeps per request: plain counters, offsets and a status enum.
-
-Invariants (between steps):
-- `output_ids` holds exactly the retained output; once finished, `len(output_ids) == finished_len`.
-- `logprobs_sent == len(output_ids)`: every retained token's logprob went out in exactly one delta.
-- Text: everything emitted + `text.pending` == the committed text (pipeline.output.text).
-"""
+"""What the output path keeps per request. Between steps `output_ids` is exactly the retained
+output (`finished_len` long once finished) and every retained token's logprob went out once."""
 
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ class RequestStatus(Enum):
     FINISHED_STOP = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"  # internal: the front end answers with an error, never a choice
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -31,8 +26,7 @@ class RequestStatus(Enum):
 
 
 def count_into(histogram: list[int], index: int) -> None:
-    """`histogram[index] += 1`, growing the list as needed: the one acceptance-histogram rule
-    (request statistics here, the engine's raw counts in pipeline.engine.core)."""
+    """`histogram[index] += 1`, growing the list: shared with the engine's raw counts."""
     if index >= len(histogram):
         histogram.extend([0] * (index + 1 - len(histogram)))
     histogram[index] += 1
@@ -40,14 +34,8 @@ def count_into(histogram: list[int], index: int) -> None:
 
 @dataclass(slots=True)
 class SpecStats:
-    """Speculative statistics over the retained output (docs/contracts.md, *Speculative
-    statistics*).
-
-    Every step after the prefill that retained tokens is a verify step, drafted or not. A step
-    retaining `kept` tokens counts `kept - 1` accepted: the whole window less the target's token,
-    or, when a finish cut the window, the retained tokens less the one the forward paid for.
-    That keeps `completion_tokens == 1 + verify_ct + accepted_tokens` exact for every request.
-    """
+    """Over the retained output (docs/contracts.md, *Speculative statistics*): `kept - 1`
+    accepted per verify step keeps `completion_tokens == 1 + verify_ct + accepted_tokens`."""
 
     verify_ct: int = 0
     accepted_tokens: int = 0
@@ -55,7 +43,6 @@ class SpecStats:
     histogram: list[int] = field(default_factory=list)
 
     def add(self, kept: int, drafted: int) -> None:
-        """One verify step that retained `kept >= 1` tokens of a window with `drafted` drafts."""
         count_into(self.histogram, kept - 1)
         self.verify_ct += 1
         self.accepted_tokens += kept - 1
@@ -68,25 +55,23 @@ class RequestState:
     params: SamplingParams
     rules: StopRules
     num_prompt_tokens: int
-    # Retained output ids: a compact int32 array (amortised growth, invisible to the cyclic GC,
-    # so a long output costs nothing per step).
+    # int32 array: amortised growth, and invisible to the cyclic GC.
     output_ids: array = field(default_factory=lambda: array("i"))
     status: RequestStatus = RequestStatus.RUNNING
     finished_len: int | None = None
     matched_stop: int | str | None = None
-    finish_kind: str | None = None  # RequestOutput.finish_kind
-    error: str | None = None  # FINISHED_ERROR: what went wrong (RequestOutput.error)
+    finish_kind: str | None = None
+    error: str | None = None
     finish_step: int | None = None
-    last_step: int = -1  # newest step applied: a replayed or stale step is dropped, not re-applied
+    last_step: int = -1  # a step not above it is replayed or stale: dropped
     logprobs_sent: int = 0
-    text: TextState | None = None  # None when the processor has no tokenizer
-    stops: StopStrings | None = None  # None without stop strings
-    grammar: Any = None  # a pipeline.grammar.GrammarMatcher, or None
+    text: TextState | None = None
+    stops: StopStrings | None = None
+    grammar: Any = None  # a pipeline.grammar.GrammarMatcher
     stats: SpecStats = field(default_factory=SpecStats)
 
     @property
     def remaining(self) -> int:
-        """Tokens the request may still take before the length limit."""
         return self.rules.max_new_tokens - len(self.output_ids)
 
     @property

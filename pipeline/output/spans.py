@@ -1,17 +1,6 @@
-"""The spans the output stage makes (pipeline/tracing/ is the set-up, file and reader they go
-through): an OutputProcessor with traces, one `spec.request` span per request, one
-`spec.verify_step` span per step, and a `spec.finish` event on the step that finished each request
-(docs/contracts.md, *Traces*). The names and attributes, and the rules for reading back the ones
-not written as is, are pipeline/tracing/schema.py's (shared with `specrelay trace`).
-
-Cost: spans are built by `pipeline.tracing.recorder.SpanRecorder` (the SDK's sampler, ids and
-processors, without its per-value validation). Per step: one span, a few C-level passes over the
-batch (the arrays; a pointer compare of the inner's request states with the last step's, and the
-ids and links only when they or the recorded requests changed; the outputs only when a request
-finished or a row was dropped); nothing per token. A step whose span is not sampled builds no
-attribute, event or link; a request whose span is not sampled is never linked. Not thread-safe,
-like the OutputProcessor it wraps (one output actor, one thread).
-"""
+"""The output stage's spans (docs/contracts.md, *Traces*): one `spec.request` per request, one
+`spec.verify_step` per step, a `spec.finish` event on the step that finished a request. Per
+step: one span and a few C-level passes, nothing per token."""
 
 from __future__ import annotations
 
@@ -29,41 +18,31 @@ from pipeline.tracing.otel import context_from_traceparent, get_tracer
 from pipeline.tracing.recorder import OpenSpan, SpanRecorder
 from pipeline.tracing.schema import FINISH_EVENT, REQUEST_SPAN, STEP_SPAN, matched_attributes
 
-_CONSUMER = SpanKind.CONSUMER  # the step span consumes the verifier's message
+_CONSUMER = SpanKind.CONSUMER
 
 
 @dataclass(slots=True)
 class _Live:
-    """A request between add_request and finish/abort."""
-
-    span: OpenSpan | None  # None when tracing is off
+    span: OpenSpan | None
     prompt_tokens: int
-    cached_tokens: int | None = None  # from its first prefill step's `cached` column
+    cached_tokens: int | None = None
 
 
 class TracedOutputProcessor:
-    """Wraps an OutputProcessor (same public API) and records its requests and steps as spans.
-
-    `inner` must offer `add_request`, `abort`, `process_columns`, `num_requests` and `step_rows`
-    (pipeline.output.processor.OutputProcessor's); payloads are
-    decoded once here and the columns handed on. Outputs are returned unchanged. `tracer` (default:
-    this process's, from `setup_tracing`) must come from an SDK TracerProvider; any other tracer
-    records nothing.
-    """
+    """An OutputProcessor's API over `inner`, recording its requests and steps as spans.
+    `tracer` must come from an SDK TracerProvider; any other records nothing."""
 
     def __init__(self, inner: Any, tracer: trace.Tracer | None = None) -> None:
         self.inner = inner
         self.spans = SpanRecorder(tracer if tracer is not None else get_tracer())
         self._live: dict[str, _Live] = {}
-        self._links: dict[str, Link] = {}  # requests whose span is recorded -> link to it
+        self._links: dict[str, Link] = {}
         # The last recorded step's ids and links (`_batch`); stale once `_links` changes.
         self._batch_rids: list[str] = []
-        self._batch_rows: list[Any] | None = None  # inner's `step_rows` of that step
+        self._batch_rows: list[Any] | None = None
         self._batch_ids: tuple[str, ...] = ()
         self._batch_links: tuple[Link, ...] = ()
         self._batch_stale = True
-
-    # -- requests ---------------------------------------------------------------------------------
 
     def add_request(
         self,
@@ -72,8 +51,7 @@ class TracedOutputProcessor:
         params: SamplingParams,
         traceparent: str | None = None,
     ) -> None:
-        """Add the request to `inner`, then start its `spec.request` span as a child of
-        `traceparent` (e.g. the HTTP server span). A request `inner` rejects gets no span."""
+        """A request `inner` rejects gets no span."""
         self.inner.add_request(rid, prompt_ids, params)
         span = self.spans.start(REQUEST_SPAN, context_from_traceparent(traceparent))
         self._live[rid] = _Live(span, len(prompt_ids))
@@ -94,31 +72,22 @@ class TracedOutputProcessor:
         return out
 
     def reset(self) -> int:
-        """Abort every running request (the engine failed them all; their ids may come back):
-        their spans end as aborts. Returns how many there were."""
+        """Abort every running request (the engine failed them all; their ids may come back)."""
         rids = list(self._live)
         for rid in rids:
             self.abort(rid)
         return len(rids)
 
     def request_traceparent(self, rid: str) -> str | None:
-        """W3C traceparent of a running request's span (for spans made about it elsewhere)."""
         live = self._live.get(rid)
         return None if live is None or live.span is None else live.span.traceparent()
 
-    # -- steps ------------------------------------------------------------------------------------
-
     def process(self, payload: bytes) -> list[RequestOutput]:
-        """Decode one VerifyStep message and process it (raises ProtocolError like `inner`)."""
         return self.process_columns(decode_columns(payload))
 
     def process_columns(self, cols: StepColumns) -> list[RequestOutput]:
-        """Process one step through `inner`; record its span, finish events and request ends.
-
-        Relies on the output contract: one delta per running request of the step whose
-        `token_ids` are the tokens it retained from this step's window (so the finishing delta's
-        length gives the finish's window position), none for a request the step is dropped for.
-        """
+        """Relies on the output contract: one delta per running request of the step, its
+        `token_ids` what it retained of this step's window; none where the row was dropped."""
         rids = cols.rids
         span = self.spans.start_child(STEP_SPAN, cols.traceparent, _CONSUMER)
         recording = span is not None and span.recording
@@ -128,7 +97,7 @@ class TracedOutputProcessor:
         except Exception as e:  # inner changed nothing; neither do we
             self.spans.end(span, {"spec.step": cols.step}, error=e)
             raise
-        if cols.cached is not None:  # a step that prefills: its requests' cache hits
+        if cols.cached is not None:
             self._note_cached(rids, cols.cached.tolist())
         # A finishing request leaves inner: when none left, no output needs looking at.
         finished = [o for o in outs if o.finished] if self.inner.num_requests != running else ()
@@ -138,18 +107,18 @@ class TracedOutputProcessor:
             return outs
         # Links are taken before the requests that finish in this step are ended (below).
         ids, links = self._batch(rids, self.inner.step_rows if len(outs) == len(rids) else None)
-        accepted = (cols.lengths - 1).tolist()  # raw: len <= drafted + 1, so 0 for a prefill
+        accepted = (cols.lengths - 1).tolist()  # raw, before finish truncation
         drafted = cols.drafted.tolist()
         attrs = {
             "spec.step": cols.step,
             "spec.batch_size": len(rids),
             "spec.drafted_tokens": sum(drafted),
-            "spec.accepted_tokens": int(cols.offsets[-1]) - len(rids),  # sum(accepted)
+            "spec.accepted_tokens": int(cols.offsets[-1]) - len(rids),
             "spec.request.ids": ids,
             "spec.request.drafted": tuple(drafted),
             "spec.request.accepted": tuple(accepted),
         }
-        if len(outs) != len(rids):  # rows dropped: what each request kept, spelled out
+        if len(outs) != len(rids):
             kept = {out.rid: len(out.token_ids) for out in outs}
             attrs["spec.request.retained"] = tuple(kept.get(rid, 0) for rid in rids)
         events = [Event(FINISH_EVENT, self._end_finished(out, cols.step, len(out.token_ids)))
@@ -160,15 +129,11 @@ class TracedOutputProcessor:
     def _batch(
         self, rids: list[str], rows: list[Any] | None
     ) -> tuple[tuple[str, ...], tuple[Link, ...]]:
-        """The step's request ids as a tuple and its links (to the recorded requests, in step
-        order). A decode step usually carries the same requests as the one before: then, unless a
-        request span started or ended since, both are the last step's (no lookup per request;
-        and the spans waiting for export share one ids tuple, not one copy of the ids each).
-        Same requests: `rows` (inner's `step_rows`; None when a row was dropped) holds the same
-        state objects as the last step's (compared by identity), else the same ids."""
+        """The last step's ids and links again while the requests stay the same (the same `rows`
+        objects, or ids): no lookup per request, and queued spans share one ids tuple."""
         same = rows is not None and rows == self._batch_rows or rids == self._batch_rids
         if self._batch_stale or not same:
-            self._batch_rids = list(rids)  # a copy: the caller's list may change later
+            self._batch_rids = list(rids)
             self._batch_ids = tuple(rids)
             self._batch_links = tuple(filter(None, map(self._links.get, rids)))
             self._batch_stale = False
@@ -183,8 +148,6 @@ class TracedOutputProcessor:
                 live.cached_tokens = n
 
     def _end_finished(self, out: RequestOutput, step: int, kept: int = 0) -> dict[str, Any]:
-        """End the span of a request `step` finished; returns its `spec.finish` event attributes
-        (`kept`: tokens it retained from this step's window)."""
         matched = matched_attributes(out.matched_stop)
         reason = out.finish_reason or ""
         self._end_request(
@@ -210,7 +173,7 @@ class TracedOutputProcessor:
     def _end_request(self, rid: str, attrs: dict[str, Any]) -> None:
         live = self._live.pop(rid, None)
         link = self._links.pop(rid, None)
-        if link is None or live is None:  # not recorded
+        if link is None or live is None:
             return
         self._batch_stale = True
         head = {"request.id": rid, "request.prompt_tokens": live.prompt_tokens}
@@ -219,7 +182,6 @@ class TracedOutputProcessor:
         self.spans.end(live.span, {**head, **attrs})
 
     def __getattr__(self, name: str) -> Any:
-        # Anything else (num_requests, dropped_steps, get_state) reads through to the wrapped one.
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)

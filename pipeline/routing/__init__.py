@@ -1,2 +1,1 @@
-"""How requests reach engine replicas: the routing decisions, without Ray (actors/ wires them
-into Ray Serve's request-router API)."""
+"""Routing decisions over engine replicas, without Ray (actors/ wires them into Ray Serve)."""

@@ -1,17 +1,6 @@
-"""Prefix affinity: send a prompt to the engine replica that already holds the KV of its longest
-prefix, unless the replicas' loads differ too much.
-
-The unit is the engine's own: whole `block_size`-token blocks of prompt token ids, each keyed by
-the prefix cache's own chained key (pipeline/block_hash.py: the key of block i covers blocks
-0..i), so a match means "the replica computed these exact leading blocks". A bounded LRU
-table maps each block key to the replicas that were sent a prompt holding it. A replica that
-dies or leaves is forgotten, so after a restart affinity re-learns from the next requests.
-
-Why not match on text (Ray's PrefixCacheAffinityRouter): a character prefix does not line up
-with KV blocks (a chat template or tokenizer merge changes the ids), and its tree lives in a
-separate actor queried with blocking calls on every request. Here a lookup is a dict walk in the
-router's own process: O(prompt blocks), about 0.1 ms to key a 2,000-token prompt.
-"""
+"""Prefix affinity: send a prompt to the replica holding the KV of its longest prefix, unless loads
+differ too much. Prefixes are whole blocks under the prefix cache's chained keys, not text (Ray's
+PrefixCacheAffinityRouter): a character prefix does not line up with KV blocks."""
 
 from __future__ import annotations
 
@@ -22,14 +11,11 @@ from pipeline.block_hash import block_keys
 
 __all__ = ["DEFAULT_MAX_BLOCKS", "PrefixAffinity", "block_keys"]
 
-DEFAULT_MAX_BLOCKS = 1 << 17  # block keys remembered (~ 2M tokens of prompts at 16 a block)
+DEFAULT_MAX_BLOCKS = 1 << 17  # ~2M prompt tokens at 16 a block
 
 
 class PrefixAffinity:
-    """Which replicas were sent which prompt blocks, and the routing choice from it.
-
-    Invariants: at most `max_blocks` keys are held (least recently recorded dropped first); a
-    replica is only ever returned by `choose` if it is one of the candidates given."""
+    """Which replicas were sent which prompt blocks: a bounded LRU of block keys."""
 
     def __init__(self, block_size: int = 16, imbalance_threshold: int = 8,
                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
@@ -50,7 +36,6 @@ class PrefixAffinity:
 
     def matched_blocks(self, keys: Sequence[bytes], candidates: Iterable[Hashable],
                        ) -> dict[Hashable, int]:
-        """Per candidate, how many leading blocks of the prompt it was sent."""
         out = {r: 0 for r in candidates}
         alive = set(out)
         for depth, key in enumerate(keys, 1):
@@ -62,9 +47,8 @@ class PrefixAffinity:
         return out
 
     def choose(self, keys: Sequence[bytes], queue_lens: Mapping[Hashable, int]) -> Hashable | None:
-        """The candidate (a key of `queue_lens`: replica -> requests queued or running) holding
-        the longest prefix; among equals the least loaded. None when no candidate holds a block
-        or the loads differ by more than `imbalance_threshold`: the caller balances load."""
+        """The candidate holding the longest prefix, the least loaded among equals; None when
+        none holds a block or loads differ by more than `imbalance_threshold`."""
         if not queue_lens or not keys:
             return None
         loads = queue_lens.values()
@@ -78,7 +62,6 @@ class PrefixAffinity:
                    key=lambda r: (queue_lens[r], str(r)))
 
     def record(self, replica: Hashable, keys: Sequence[bytes]) -> None:
-        """`replica` was sent a prompt with these blocks (its prefix cache now holds them)."""
         for key in keys:
             holders = self._holders.get(key)
             if holders is None:
@@ -90,11 +73,9 @@ class PrefixAffinity:
             self._holders.popitem(last=False)
 
     def forget(self, replica: Hashable) -> None:
-        """The replica is gone (died, drained): none of its blocks count any more."""
         self._retain(lambda r: r != replica)
 
     def keep_only(self, replicas: Iterable[Hashable]) -> None:
-        """Forget every replica not in `replicas` (the deployment's current set)."""
         live = set(replicas)
         self._retain(lambda r: r in live)
 
