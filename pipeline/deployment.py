@@ -1,25 +1,6 @@
-"""How many engine replicas serve, how requests reach them, and how their number follows load:
-the `deployment:` config section (the same keys as the chart's `specrelay.deployment` values and
-`build_app`'s `deployment` argument).
-
-    deployment:
-      replicas: 1              # engine replicas (each: an engine, its TP ranks, draft, output)
-      routing: prefix          # prefix: to the replica holding the prompt's cached prefix (load-
-                               # balanced when none does or loads differ); pow2: power of two choices
-      imbalance_threshold: 8   # prefix routing falls back to pow2 above this queue-length spread
-      autoscaling:             # absent or null: a fixed `replicas`
-        min_replicas: 1
-        max_replicas: 4
-        initial_replicas: null # null: min_replicas
-        target_ongoing_requests: 8    # per replica (streams in flight, queued ones included)
-        upscale_delay_s: 30
-        downscale_delay_s: 300
-        metrics_interval_s: 10
-        look_back_period_s: 30
-
-Plain data only: actors/serve_app.py turns it into Serve deployment options
-(`autoscaling_config` is Ray Serve's, field for field).
-"""
+"""The `deployment:` config section: engine replicas, routing (`prefix` or `pow2`) and
+autoscaling, as plain data; actors/serve_app.py turns it into Serve options (`autoscaling_config`
+is Ray Serve's, field for field)."""
 
 from __future__ import annotations
 
@@ -44,7 +25,7 @@ class Autoscaling:
     look_back_period_s: float = 30.0
 
     def to_ray(self) -> dict[str, Any]:
-        """Ray Serve's `autoscaling_config` (None fields left to Ray's defaults)."""
+        # None fields are left to Ray's defaults
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
@@ -61,7 +42,6 @@ class DeploymentSettings:
 
 
 def parse_deployment(raw: Mapping[str, Any] | None) -> DeploymentSettings:
-    """DeploymentSettings from the config mapping; ValueError naming `deployment.<key>`."""
     if raw is None:
         return DeploymentSettings()
     _known("deployment", raw, DeploymentSettings)

@@ -1,4 +1,4 @@
-"""Errors that cross module and actor boundaries (the front end maps them to HTTP statuses)."""
+"""Errors that cross module and actor boundaries; the front end maps them to HTTP statuses."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -6,7 +6,7 @@ class EngineOverloadedError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """An actor the request depended on died or hung; the request ended with an error."""
+    """An actor the request depended on died or hung."""
 
 
 class RequestTimeoutError(RuntimeError):
@@ -14,11 +14,8 @@ class RequestTimeoutError(RuntimeError):
 
 
 class GrammarOutputError(RuntimeError):
-    """The request's grammar could not accept its output (a dead end, a rejected token or one of
-    the matcher's internal limits met while generating): the output stage ended it with finish
-    reason "error" (HTTP 400 `invalid_grammar`, or an in-band error event in a stream)."""
+    """The request's grammar could not accept its output (finish reason "error")."""
 
 
 class KVDivergenceError(RuntimeError):
-    """Tensor-parallel ranks disagree on their KV blocks (prefix-cache hits, block tables or
-    lengths): their forwards would no longer match, so the engine fails and rebuilds."""
+    """Tensor-parallel ranks disagree on their KV blocks, so the engine fails and rebuilds."""

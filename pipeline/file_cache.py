@@ -1,20 +1,7 @@
-"""A local cache of what is derived from a model file and slow to derive again.
-
-Loading SmolLM2's GGUF cost every process that does it (each verifier rank, the output actor,
-each front end) ~20 s on one core, nearly all in Python over the 49k-entry vocabulary: gguf's
-reader parses every metadata string (~10 s), and transformers converts the GGUF tokenizer after
-parsing the file again (~10 s). The weights themselves take ~3 s to dequantize. So two small
-things are cached: the converted tokenizer (`save_pretrained`, loaded back in ~0.3 s) and the
-GGUF's tensor table (offsets, types, shapes and the model config, a few kB; the weights are still
-read from the GGUF itself). No weights are ever written here.
-
-An entry is keyed by the source file's real path, size and mtime and by the versions of the code
-that derives it, so a changed file or library misses rather than reads a stale entry. It is
-written into a temporary folder and renamed into place, so concurrent first loads race
-harmlessly and no reader sees half an entry. Where: $SPECRELAY_CACHE_DIR, else
-$XDG_CACHE_HOME/specrelay, else ~/.cache/specrelay. SPECRELAY_CACHE_DIR=off, or a folder that
-cannot be written (a read-only container), turns it off: everything is derived as before.
-"""
+"""A local cache of what is slow to derive from a model file: the converted tokenizer and the
+GGUF tensor table (~20 s of Python per process for SmolLM2), never weights. An entry is keyed by
+the file's real path, size and mtime and the deriving code's versions, and renamed into place
+whole. Where: $SPECRELAY_CACHE_DIR (`off` disables), else $XDG_CACHE_HOME or ~/.cache."""
 
 from __future__ import annotations
 
@@ -32,7 +19,6 @@ ENV = "SPECRELAY_CACHE_DIR"
 
 
 def cache_root() -> str | None:
-    """The cache folder, or None when the cache is turned off."""
     configured = os.environ.get(ENV)
     if configured is not None:
         return None if configured.strip().lower() in ("", "off", "0", "none") else configured
@@ -41,8 +27,7 @@ def cache_root() -> str | None:
 
 
 def entry_path(kind: str, source: str, versions: list[str]) -> str | None:
-    """Where the `kind` entry derived from file `source` by code at `versions` lives (it may not
-    exist yet); None when the cache is off or the source cannot be stat'ed."""
+    """None when the cache is off or the source cannot be stat'ed."""
     root = cache_root()
     if root is None:
         return None
@@ -56,8 +41,8 @@ def entry_path(kind: str, source: str, versions: list[str]) -> str | None:
 
 
 def publish(path: str, write: Callable[[str], None]) -> bool:
-    """Fill a new folder with `write(folder)` and move it to `path` at once. False (logged, not
-    raised) when it could not be stored: the caller has what it derived and goes on without."""
+    """Fill a new folder with `write(folder)` and rename it to `path`; False when it could not
+    be stored."""
     parent = os.path.dirname(path)
     tmp = None
     try:

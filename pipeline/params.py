@@ -16,24 +16,21 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_SEED = (1 << 63) - 1
-MAX_TEMPERATURE = 2.0  # OpenAI's range; hotter is noise (and every API client is told so)
+MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled grammar (llguidance's grammar text) and what it was made from (for messages).
-    Plain data, so every stage and the protocol can hold one without llguidance: the grammar
-    stage compiles it (pipeline.grammar.llg.compile_grammar) and builds matchers from it
-    (`grammar_matcher`, against the stage's own tokenizer)."""
+    """llguidance's compiled grammar text, as plain data so stages and the protocol can hold one
+    without llguidance."""
 
-    kind: str  # one of GRAMMAR_KINDS
+    kind: str
     compiled: str
 
 
 @dataclass
 class SamplingParams:
-    """What to generate and when to stop. Construction validates; bad values raise ValueError
-    naming the field."""
+    """Construction validates: a bad value raises ValueError naming the field."""
 
     max_new_tokens: int = 16
     stop: list[str] = field(default_factory=list)
@@ -42,13 +39,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-N per token; 0 = only the chosen token's logprob
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) = disabled
     seed: int | None = None
     min_new_tokens: int = 0
-    # Structured output: a compiled `Grammar` (above: JSON schema, regex, choice, Lark), or a zero-argument factory of matchers with `accept_token(token_id) -> bool` and
-    # `is_terminated() -> bool` (pipeline.grammar.choice_grammar; output-side only).
+    # A `Grammar`, or (output side only) a zero-argument factory of matchers with
+    # `accept_token(token_id) -> bool` and `is_terminated() -> bool`.
     grammar: Any = None
 
     def __post_init__(self) -> None:

@@ -1,18 +1,5 @@
-"""Where the engine's actors go on a multi-node Ray cluster: the `placement:` config section.
-
-    placement:
-      verifier_strategy: PACK        # the TP ranks' placement group: PACK | STRICT_PACK | SPREAD
-                                     # | STRICT_SPREAD (STRICT_PACK: all ranks on one node, NCCL
-                                     # over NVLink; PACK: one node when it fits, else several)
-      verifier_resources: {}         # custom resources each rank's bundle also needs
-      draft_resources: {}            # custom resources of the draft actor
-      output_resources: {}           # ... of the output (detokenizer) actor
-      engine_resources: {}           # ... of the engine (scheduler) actor
-
-Custom resources are the ones a node declares (`ray start --resources '{"gpu_a100": 1}'`, or
-KubeRay's rayStartParams `resources`); CPU and GPU are set by the code (one CPU, and one GPU per
-rank on cuda). Plain data only: the Ray shells in actors/ turn it into actor options.
-"""
+"""The `placement:` config section: where the engine's actors go on a multi-node Ray cluster (the
+TP ranks' placement-group strategy, custom resources per actor), as plain data for actors/."""
 
 from __future__ import annotations
 
@@ -34,13 +21,11 @@ class Placement:
     engine_resources: dict[str, float] = field(default_factory=dict)
 
     def verifier_bundles(self, world: int, gpu: bool) -> list[dict[str, float]]:
-        """One placement-group bundle per TP rank: a CPU, a GPU on cuda, and the custom ones."""
         base: dict[str, float] = {"CPU": 1, **({"GPU": 1} if gpu else {})}
         return [{**base, **self.verifier_resources} for _ in range(world)]
 
 
 def parse_placement(raw: Mapping[str, Any] | None) -> Placement:
-    """A Placement from the config mapping; ValueError naming `placement.<key>` on bad input."""
     if raw is None:
         return Placement()
     if not isinstance(raw, Mapping):

@@ -1,9 +1,5 @@
-"""A stand-in tokenizer for the tiny random test models (vocab 256, no files).
-
-Token i >= 3 is the single character chr(i) (Latin-1), so every id decodes on its own and text
-is easy to reason about in tests; ids 0, 1, 2 are the special <pad>, <s>, </s>. It offers the
-subset of the Hugging Face tokenizer API the output path uses.
-"""
+"""A tokenizer for the tiny test models, no files: id i >= 3 is chr(i), ids 0-2 are <pad>, <s>,
+</s>. The subset of the Hugging Face API the output path uses."""
 
 from __future__ import annotations
 

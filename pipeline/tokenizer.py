@@ -11,11 +11,7 @@ log = logging.getLogger(__name__)
 
 
 def load_tokenizer(source: str):
-    """A transformers fast tokenizer for `source`: a .gguf file or a Hugging Face model folder.
-
-    Never touches a hub: a missing file is a FileNotFoundError naming the path. A GGUF's
-    tokenizer is converted once and then read back from the local cache (pipeline.file_cache).
-    """
+    """From a .gguf file or a Hugging Face folder; never touches a hub."""
     from transformers import AutoTokenizer
 
     if not os.path.exists(source):
@@ -26,7 +22,7 @@ def load_tokenizer(source: str):
     if cached is not None and os.path.isdir(cached):
         try:
             return AutoTokenizer.from_pretrained(cached, local_files_only=True)
-        except (OSError, ValueError) as e:  # a damaged entry: convert as if there were none
+        except (OSError, ValueError) as e:
             log.warning("specrelay cache: unreadable tokenizer entry %s (%s)", cached, e)
     tokenizer = AutoTokenizer.from_pretrained(
         os.path.dirname(os.path.abspath(source)),
@@ -46,7 +42,7 @@ def _versions() -> list[str]:
 
 
 def eos_token_ids(tokenizer) -> list[int]:
-    """Every id that ends generation by default: the tokenizer's EOS plus the chat end token."""
+    """The tokenizer's EOS plus the chat end token."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))

@@ -1,12 +1,6 @@
-"""Checks of one config or request value: each raises ValueError("<field>: must be ..., got ...").
-
-The config (pipeline.config), the speculation settings (pipeline.spec_settings) and the request
-parameters (pipeline.params) share these, so the same mistake reads the same everywhere and the
-front end can take the field name from the text before the colon. A value of the wrong type is
-named by its type only: request values come from clients, and echoing an arbitrary string back
-would put client text in logs and error bodies. Numbers must be finite: no setting or parameter
-here means anything at infinity or NaN.
-"""
+"""Value checks shared by config, speculation settings and request params: each raises
+ValueError("<field>: must be ..., got ...") (the front end reads the field before the colon).
+A wrong type is named by its type only, so client text never reaches logs or error bodies."""
 
 from __future__ import annotations
 
@@ -15,7 +9,6 @@ from typing import Any
 
 
 def integer(name: str, value: Any, lo: int, hi: int | None = None) -> None:
-    """An int (not a bool) in [lo, hi] (hi None: no upper bound)."""
     bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(  # noqa: TRY004 - the contract: ValueError naming the field
@@ -26,8 +19,7 @@ def integer(name: str, value: Any, lo: int, hi: int | None = None) -> None:
 
 def number(name: str, value: Any, lo: float | None = None, hi: float | None = None,
            lo_open: bool = False) -> None:
-    """A finite int or float (not a bool) in the interval lo..hi (a bound None: none that side;
-    `lo_open`: lo itself excluded)."""
+    """A finite int or float (not a bool); a bound None: none that side."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(  # noqa: TRY004 - the contract: ValueError naming the field
             f"{name}: must be a number{_bounds(lo, hi, lo_open)}, got {type(value).__name__}")
@@ -38,7 +30,6 @@ def number(name: str, value: Any, lo: float | None = None, hi: float | None = No
 
 
 def positive(name: str, value: Any) -> None:
-    """A finite number > 0."""
     number(name, value, lo=0, lo_open=True)
 
 

@@ -1,14 +1,7 @@
-"""The OpenAI-compatible HTTP front end: `create_app(engine_client, tokenizer, settings)`.
-
-No Ray here: the app talks to any object with the engine client API (`generate`, `abort`, `stats`,
-`health`, `model_info`), so tests run it in-process with a fake engine, and `actors.serve_app`
-mounts it in a Ray Serve deployment. Request flow:
-
-    guard (sizes, API key) -> read body (size-limited) -> validate (requests.py) -> tokenize
-    -> one engine request per choice (run.py) -> wait for every choice's first delta (so 429/408
-    are real statuses) -> JSON response or SSE stream (writer.py), racing a client-disconnect
-    watcher and the deadline.
-"""
+"""The OpenAI-compatible HTTP front end: `create_app(engine_client, tokenizer, settings)`, over any
+object with the engine client's API (tests use a fake). A generation request: guard, read and
+validate, tokenize, one engine request per choice, then wait for every choice's first delta (so
+429/408 are real statuses) before the JSON response or SSE stream."""
 
 from __future__ import annotations
 
@@ -54,8 +47,6 @@ AnyRequest = reqs.CompletionRequest | reqs.ChatCompletionRequest
 
 @dataclass
 class ChoiceJob:
-    """One engine request: choice `index` of the response, for prompt `prompt_index`."""
-
     index: int
     prompt_index: int
     prompt_ids: list[int]
@@ -64,10 +55,8 @@ class ChoiceJob:
 
 @dataclass
 class ModelInfo:
-    """What the front end needs of the engine's `model_info()`, fetched once."""
-
     served_name: str
-    names: frozenset[str]  # names a request's `model` may use
+    names: frozenset[str]  # what a request's `model` may say
     root: str | None
     vocab_size: int
     max_model_len: int
@@ -82,21 +71,19 @@ class ModelInfo:
 
 
 class Server:
-    """The routes over one engine client."""
-
     def __init__(self, engine: Any, tokenizer: Any, settings: ServerSettings) -> None:
         self.engine = engine
         self.tok = TokenizerAdapter(tokenizer)
         self.settings = settings
         self._info: ModelInfo | None = None
         self.metrics = ServerMetrics(settings.model_name or "")
-        self.inflight = InflightCount()  # HTTP generation requests not yet closed
+        self.inflight = InflightCount()
         self.draining = False
         self.health_reasons = HealthReasons()
 
     async def drain(self, timeout: float) -> int:
-        """Refuse new generation requests (503) and fail /health; wait up to `timeout` seconds
-        for those in flight to finish. Returns how many are still in flight."""
+        """Refuse new generation requests and fail /health; returns how many are still in flight
+        after up to `timeout` seconds."""
         self.draining = True
         deadline = time.monotonic() + timeout
         while self.inflight.value > 0 and time.monotonic() < deadline:
@@ -115,8 +102,6 @@ class Server:
         if model is not None and model not in info.names:
             raise APIError(404, f"The model `{client_text(model)}` does not exist.", param="model",
                            code="model_not_found")
-
-    # --------------------------------------------------------------- completions / chat
 
     async def completions(self, request: Request) -> Response:
         req = reqs.parse_completion_request(await read_json(request, self.settings))
@@ -140,16 +125,15 @@ class Server:
         return await self._generate(request, req, [ids], info)
 
     def split_special(self, req: AnyRequest) -> bool:
-        """Whether the client's special-token text stays text (the request, else the server)."""
         if req.split_special_tokens is not None:
             return req.split_special_tokens
         return self.settings.split_special_tokens
 
     def _jobs(self, req: AnyRequest, prompts: list[list[int]], info: ModelInfo,
               grammar: Any = None) -> list[ChoiceJob]:
-        """One job per choice: choices of prompt p are p*n .. p*n+n-1 (OpenAI's order)."""
+        """Choices of prompt p are p*n .. p*n+n-1 (OpenAI's order)."""
         cap = self.settings.max_choices_per_request
-        if len(prompts) * req.n > cap:  # each choice takes a queue place and a slot
+        if len(prompts) * req.n > cap:
             raise APIError(400, f"prompt, n: {len(prompts)} prompt(s) x n={req.n} is "
                            f"{len(prompts) * req.n} choices; at most {cap} per request",
                            param="n", code="too_many_choices")
@@ -171,7 +155,7 @@ class Server:
         grammar = None
         if wants_grammar(req):  # compiled (and refused with a 400) before a slot is taken
             grammar = await asyncio.to_thread(request_grammar, req, self.tok.tok)
-        jobs = self._jobs(req, prompts, info, grammar)  # all validated before anything starts
+        jobs = self._jobs(req, prompts, info, grammar)  # all validated before any starts
         for ids in prompts:
             self.metrics.observe_prompt(len(ids))
         t0 = time.monotonic()
@@ -193,7 +177,7 @@ class Server:
             finally:
                 run.close()  # also when cancelled (client gone under Serve): aborts the rest
         try:
-            # Engine errors (429 ...) become statuses only before the headers: wait for output.
+            # An engine error (429 ...) is a status only before the headers are sent.
             first = await writer.first_deltas(deadline)
         except BaseException:
             run.close()
@@ -211,8 +195,6 @@ class Server:
             run.start(f"{rid}-{job.index}", job.prompt_ids, job.params)
         run.watch_disconnect(request.receive)
         return run
-
-    # --------------------------------------------------------------- simple routes
 
     async def models(self, request: Request) -> Response:
         info = await self.info()
@@ -245,7 +227,7 @@ class Server:
 
 
 async def read_json(request: Request, settings: ServerSettings) -> dict[str, Any]:
-    """The body as a JSON object, refusing (413) to buffer more than max_body_bytes."""
+    """413 rather than buffer more than max_body_bytes."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -257,7 +239,6 @@ async def read_json(request: Request, settings: ServerSettings) -> dict[str, Any
 
 def create_app(engine_client: Any, tokenizer: Any, settings: ServerSettings | None = None,
                ) -> FastAPI:
-    """The FastAPI app over `engine_client` (an EngineClient or a fake with the same API)."""
     settings = settings or ServerSettings()
     server = Server(engine_client, tokenizer, settings)
     app = FastAPI(title="specrelay", docs_url=None, redoc_url=None, openapi_url=None)
@@ -276,7 +257,7 @@ def create_app(engine_client: Any, tokenizer: Any, settings: ServerSettings | No
                               retry_after_s)
 
     def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        # Every failure becomes an OpenAI error body (never a bare 500 or FastAPI's 422 shape).
+        # An OpenAI error body, never a bare 500 or FastAPI's 422 shape.
         async def route(request: Request) -> Response:
             try:
                 return await handler(request)

@@ -1,4 +1,4 @@
-"""Background tasks that outlive the (possibly cancelled) request task that started them."""
+"""Tasks that outlive the (possibly cancelled) request task that started them."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ _background: set[asyncio.Task] = set()
 
 
 def fire_and_forget(coro: Any) -> None:
-    """Run `coro` outside the caller's (possibly cancelled) task; keep a reference until done."""
     try:
         task = asyncio.get_running_loop().create_task(coro)
-    except RuntimeError:  # no loop (interpreter shutting down): nothing to run it on
+    except RuntimeError:  # no loop: the interpreter is shutting down
         coro.close()
         return
     _background.add(task)

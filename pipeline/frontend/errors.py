@@ -1,8 +1,5 @@
-"""OpenAI error bodies: `APIError`, the 400s built from validation failures, and the mapping of
-engine exceptions to HTTP statuses.
-
-Every error the front end returns renders as `{"error": {"message", "type", "param", "code"}}`.
-"""
+"""OpenAI error bodies (`{"error": {"message", "type", "param", "code"}}`) and the mapping of
+exceptions to HTTP statuses."""
 
 from __future__ import annotations
 
@@ -28,8 +25,6 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class APIError(Exception):
-    """An error with its HTTP status and OpenAI error body fields."""
-
     status_code: int
     message: str
     param: str | None = None
@@ -58,7 +53,7 @@ _UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "function-
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    # ("messages", 0, "role") -> "messages[0].role"; union tags such as "list[int]" are dropped
+    # ("messages", 0, "role") -> "messages[0].role", without union tags such as "list[int]"
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -74,7 +69,6 @@ def from_validation_error(err: ValidationError) -> APIError:
     return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 
-# Our SamplingParams field names -> the OpenAI parameter the user actually sent.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
@@ -94,8 +88,8 @@ ERROR_ID_PREFIX = "err_"
 
 
 def client_text(value: str, limit: int = 80) -> str:
-    """`value` safe to echo to a client: ANSI escapes removed, control characters and lone
-    surrogates written as \\uXXXX (so the body always encodes), at most `limit` characters."""
+    """Safe to echo: no ANSI escapes, control characters and lone surrogates as \\uXXXX (so the
+    body always encodes), at most `limit` characters."""
     value = _ANSI.sub("", value)
     cut = len(value) > limit
     safe = _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", value[:limit])
@@ -108,8 +102,7 @@ def new_error_id() -> str:
 
 def logged_error(status: int, message: str, exc: BaseException, *, code: str | None = None,
                  type: str = "server_error") -> APIError:
-    """An error whose details (actor ids, pids, tracebacks) stay in the server log: the client
-    gets `message` and the id the log line carries."""
+    """Details (actor ids, pids, tracebacks) stay in the log; the client gets the log's id."""
     error_id = new_error_id()
     trace = exc if status >= 500 and not isinstance(exc, EngineDeadError) else None
     log.warning("error %s (HTTP %d): %s: %s", error_id, status, type_name(exc), exc,
@@ -127,8 +120,6 @@ def _from_ray(exc: BaseException) -> bool:
 
 
 def error_for(exc: BaseException) -> APIError:
-    """The HTTP error for an exception raised while serving a request; engine-side details are
-    logged under an error id, never sent."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ClientGone):
@@ -143,7 +134,6 @@ def error_for(exc: BaseException) -> APIError:
         return logged_error(408, "request timed out", exc, type="timeout_error",
                             code="request_timeout")
     if isinstance(exc, ValueError) and not _from_ray(exc):
-        # The engine refused the request itself (prompt ids ...): its message names the field.
         return logged_error(400, f"the engine refused the request: {client_text(str(exc), 200)}",
                             exc, type="invalid_request_error")
     if isinstance(exc, EngineDeadError):
@@ -161,11 +151,11 @@ def error_response(err: APIError, retry_after_s: int) -> JSONResponse:
     return ASCIIJSONResponse(err.body(), status_code=err.status_code, headers=headers or None)
 
 
-BEARER_CHALLENGE = 'Bearer realm="specrelay"'  # RFC 6750: how to authenticate
+BEARER_CHALLENGE = 'Bearer realm="specrelay"'  # RFC 6750
 
 
 class ASCIIJSONResponse(JSONResponse):
-    """JSON with every non-ASCII character escaped: encodes whatever string a body holds."""
+    """Encodes whatever string a body holds."""
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, allow_nan=False,
@@ -173,8 +163,8 @@ class ASCIIJSONResponse(JSONResponse):
 
 
 class HealthReasons:
-    """Short /health reasons (the route is unauthenticated): the engine's reason up to its first
-    colon; the full text is logged once under an error id, which the short reason carries."""
+    """/health is unauthenticated: it shows the reason up to its first colon and an error id
+    under which the full text is logged once."""
 
     def __init__(self) -> None:
         self.last_full = ""

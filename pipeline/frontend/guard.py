@@ -1,5 +1,4 @@
-"""ASGI middleware in front of every route: header and body size limits, the API key, and the
-HTTP status metric."""
+"""ASGI middleware in front of every route: size limits, the API key, the HTTP status metric."""
 
 from __future__ import annotations
 
@@ -21,15 +20,13 @@ def too_large(settings: ServerSettings) -> APIError:
 
 
 class Guard:
-    """Refuses oversized or unauthenticated requests before any route runs."""
-
     def __init__(self, app: Callable, metrics: ServerMetrics, settings: ServerSettings) -> None:
         self.app, self.metrics, self.settings = app, metrics, settings
         key = settings.resolved_api_key()
         self.key = key.encode("utf-8") if key else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "websocket":  # no route serves WebSockets: a JSON 4xx, never a 500
+        if scope["type"] == "websocket":  # a JSON 4xx, never a 500
             headers = scope.get("headers") or []
             refusal = (key_refusal(headers, self.key) if self.key is not None
                        and scope.get("path", "") not in UNAUTHENTICATED else None)
@@ -41,7 +38,7 @@ class Guard:
             return
         path = scope.get("path", "")
         route = path if path in ROUTES else "other"
-        statuses: list[int] = []  # the response's status, once started
+        statuses: list[int] = []
 
         async def send_recording(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -60,7 +57,6 @@ class Guard:
                 self.metrics.observe_http(route, statuses[0])
 
     def refusal(self, headers: list[tuple[bytes, bytes]], path: str) -> APIError | None:
-        """Why this request is refused before routing, or None."""
         if sum(len(k) + len(v) + 4 for k, v in headers) > self.settings.max_header_bytes:
             return APIError(431, "request headers are too large",
                             code="request_header_fields_too_large")
@@ -86,9 +82,8 @@ def websocket_refusal() -> APIError:
 
 async def deny_websocket(err: APIError, scope: dict, receive: Callable, send: Callable,
                          retry_after_s: int) -> None:
-    """Refuse a WebSocket upgrade with `err` as an HTTP response (the ASGI WebSocket Denial
-    Response extension, which uvicorn and Serve's proxy offer); a server without it gets a
-    policy-violation close, which clients see as a refused handshake."""
+    """`err` as an HTTP response where the server offers the WebSocket Denial Response
+    extension, else a policy-violation close."""
     if "websocket.http.response" in (scope.get("extensions") or {}):
         await error_response(err, retry_after_s)(scope, receive, send)
     else:
@@ -96,11 +91,9 @@ async def deny_websocket(err: APIError, scope: dict, receive: Callable, send: Ca
 
 
 def key_refusal(headers: list[tuple[bytes, bytes]], key: bytes) -> APIError | None:
-    """Why these headers do not carry `Authorization: Bearer <key>`, or None."""
     auths = [v for k, v in headers if k.lower() == b"authorization"]
     if len(auths) > 1:
-        # Malformed (RFC 9110: not a list header), and proxies disagree on which copy counts:
-        # 400 without trying either, rather than a 401 inviting new credentials.
+        # Proxies disagree on which copy counts: 400, not a 401 inviting new credentials.
         return bad_request("more than one Authorization header",
                            code="duplicate_authorization_header")
     auth = auths[0] if auths else b""

@@ -1,10 +1,6 @@
-"""Prometheus metrics of the HTTP front end, in a registry of their own (never the global one).
-
-Two sources: the server observes each request (tokens, TTFT, inter-token latency, finish reasons,
-HTTP statuses); the engine's `stats()` snapshot (queue depths, raw speculative acceptance, steps
-dropped after finish) is copied in before each scrape by `update_engine_stats` and exported by a
-custom collector, because those values are owned and counted by the engine.
-"""
+"""Prometheus metrics of the HTTP front end, in a registry of their own: what the server observes
+per request, and the engine's `stats()` snapshot (copied in before each scrape and exported by a
+collector, since the engine owns and counts those values)."""
 
 from __future__ import annotations
 
@@ -28,7 +24,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
-# (metric name, engine stats key, help) of the engine-owned gauges and counters.
+# (metric name, engine stats key, help)
 ENGINE_GAUGES = (
     ("num_requests_running", "running", "Requests holding an engine slot."),
     ("num_requests_waiting", "waiting", "Requests queued for a slot."),
@@ -61,11 +57,8 @@ ENGINE_COUNTERS = (
 
 
 class _EngineStatsCollector(Collector):
-    """Exports the latest engine stats snapshot (gauges and engine-owned counters).
-
-    A snapshot with a `replicas` mapping (several engine replicas, actors.replica_client) gives
-    one series per replica, labelled `replica`: Prometheus' sum() over them is the deployment's
-    total. A plain snapshot (one engine) has the `model` label only."""
+    """A snapshot with a `replicas` mapping gives one series per replica (label `replica`), whose
+    sum() is the deployment's total."""
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -84,7 +77,6 @@ class _EngineStatsCollector(Collector):
         yield from self._speculation()
 
     def _each(self, family: type, name: str, doc: str, value: Any) -> Metric:
-        """One family, a sample per series: `value(stats)`."""
         metric = family(f"{PREFIX}_{name}", doc, labels=self._labels)
         for labels, s in self._series:
             metric.add_metric(labels, float(value(s)))
@@ -127,8 +119,7 @@ class _EngineStatsCollector(Collector):
             step_buckets, lambda s: float((s.get("step_seconds") or {}).get("sum", 0.0)))
 
     def _histogram(self, name: str, doc: str, per_bucket: Any, total: Any) -> Iterable[Metric]:
-        """A histogram from per-bucket (not cumulative) counts; a series only where there are
-        counts, the family only when some series has them."""
+        """From per-bucket (not cumulative) counts; no family when no series has counts."""
         h = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=self._labels)
         for labels, s in self._series:
             buckets_of = per_bucket(s)
@@ -164,14 +155,12 @@ def step_buckets(stats: dict[str, Any]) -> list[tuple[str, int]]:
 
 
 def tokens_per_verify(stats: dict[str, Any]) -> float:
-    """Tokens per verify step from pooled counts (accepted drafts / verify steps + 1)."""
     hist = acceptance_histogram(stats)
     steps = sum(hist)
     return sum(i * c for i, c in enumerate(hist)) / steps + 1.0 if steps else 0.0
 
 
 def acceptance_histogram(stats: dict[str, Any]) -> list[int]:
-    """The engine's acceptance histogram as a list (index = accepted drafts in a step)."""
     raw = stats.get("acceptance_histogram", stats.get("spec_acceptance_histogram", []))
     if isinstance(raw, dict):  # {accepted_len: count}, possibly with string keys
         pairs = {int(k): int(v) for k, v in raw.items()}
@@ -180,8 +169,6 @@ def acceptance_histogram(stats: dict[str, Any]) -> list[int]:
 
 
 class ServerMetrics:
-    """All front-end metrics; `render()` gives the Prometheus text exposition."""
-
     def __init__(self, model: str) -> None:
         self.model = model
         self.registry = CollectorRegistry()
@@ -209,8 +196,7 @@ class ServerMetrics:
             f"{PREFIX}_request_accepted_tokens",
             "Accepted draft tokens per finished request (after finish truncation).", m,
             buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
-        # The responses' spec_stats pooled over finished requests (retained: after finish
-        # truncation, what clients were given), so acceptance = accepted / draft tokens.
+        # After finish truncation, as clients were given them: acceptance = accepted / draft.
         self.retained_draft_tokens = Counter(
             f"{PREFIX}_request_spec_draft_tokens",
             "Draft tokens of finished requests (their spec_stats.draft_tokens).", m, registry=r)
@@ -222,15 +208,13 @@ class ServerMetrics:
         r.register(self._engine)
 
     def set_model(self, model: str) -> None:
-        """The served model's name, used as the `model` label from now on."""
         self.model = self._engine.model = model
 
     def update_engine_stats(self, stats: dict[str, Any]) -> None:
         self._engine.stats = dict(stats)
 
     def engine_unreachable(self) -> None:
-        """The engine did not answer for its stats: keep its last counters, but report it
-        unhealthy (a stale "healthy" would hide a wedged engine from the alerts)."""
+        # Last counters kept; a stale "healthy" would hide a wedged engine from the alerts.
         self._engine.stats = {**self._engine.stats, "healthy": False}
 
     def observe_http(self, route: str, status: int) -> None:
@@ -240,7 +224,7 @@ class ServerMetrics:
         self.prompt_tokens.labels(self.model).inc(n_tokens)
 
     def observe_delta(self, n_tokens: int, since_request: float, since_last: float | None) -> None:
-        """One output delta of `n_tokens`; `since_last` None for the request's first delta."""
+        """`since_last` is None for the request's first delta."""
         if n_tokens <= 0:
             return
         self.generation_tokens.labels(self.model).inc(n_tokens)

@@ -10,8 +10,7 @@ from pipeline.frontend.requests import ChatCompletionRequest, CompletionRequest
 
 
 def openapi_schema() -> dict[str, Any]:
-    """The served OpenAPI 3.1 document: request bodies from the request models, OpenAI
-    error bodies for every error status (what /openapi.json returns and schema fuzzers use)."""
+    """OpenAPI 3.1, with OpenAI error bodies for every error status (schema fuzzers use it)."""
     components: dict[str, Any] = {}
 
     def body_ref(model: type[BaseModel]) -> dict[str, Any]:

@@ -1,18 +1,7 @@
-"""The API key in front of Ray Serve's own proxy routes, `/-/routes` and `/-/healthz`.
-
-Serve 2.60's HTTP proxy answers those two itself, before any application sees the request, so the
-app's Guard cannot cover them. `http_options.middlewares` is refused in 2.60 ("has been
-removed"); what is left is RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH: the proxy actor calls the
-function it names and wraps its whole ASGI app in the Starlette middlewares returned. This one
-runs in the proxy's process and reads the key from SPECRELAY_API_KEY there
-(docs/reliability.md).
-
-Rules: with a key set, `/-/routes` needs it; `/-/healthz` needs it too unless the client is on
-loopback (in-pod probes such as KubeRay's `wget localhost:8000/-/healthz`). Every other plain HTTP
-request is passed on (the app's Guard checks it). WebSocket upgrades are refused here on every
-path with a JSON 4xx (401 without the key where the key is needed, else 400): nothing serves
-them, and Serve's proxy answers one to its own routes with a plain-text 500.
-"""
+"""The API key in front of Ray Serve's own proxy routes, `/-/routes` and `/-/healthz`, which the
+proxy answers before any app (docs/reliability.md, "Serve's proxy routes"). Installed through
+RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, the one hook Serve 2.60 leaves; loopback clients may
+probe `/-/healthz` without the key, and WebSocket upgrades get a JSON 4xx on every path."""
 
 from __future__ import annotations
 
@@ -30,8 +19,6 @@ LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
 class SystemRoutesGuard:
-    """ASGI middleware for Serve's proxy: Bearer key on its system routes."""
-
     def __init__(self, app: Callable, api_key: str | None = None) -> None:
         self.app = app
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
@@ -59,8 +46,6 @@ class SystemRoutesGuard:
 
 
 def proxy_middlewares() -> list[Middleware]:
-    """For RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=pipeline.frontend.proxy_guard:proxy_middlewares
-    (clusters started outside `specrelay serve`, e.g. KubeRay)."""
     return [Middleware(SystemRoutesGuard)]
 
 
@@ -68,9 +53,8 @@ CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 
 
 def proxy_guard_env(api_key: str) -> dict[str, str]:
-    """The environment a Serve proxy needs to run SystemRoutesGuard with `api_key`. Installed
-    without a key too: the guard then passes plain HTTP on and still refuses WebSocket upgrades
-    (a JSON 4xx instead of the proxy's plain-text 500)."""
+    """Also without a key: the guard still refuses WebSocket upgrades, which the proxy would
+    answer with a plain-text 500."""
     env = {CALLBACK_ENV: f"{__name__}:proxy_middlewares"}
     if api_key:
         env[API_KEY_ENV] = api_key

@@ -1,19 +1,16 @@
-"""One view of several engine replicas: their stats snapshots merged (the totals the reliability
-tools and `engine_stats` read, with each replica's own snapshot under `replicas` for the
-per-replica metric series) and their health (the deployment serves while any replica does)."""
+"""Several engine replicas as one: stats summed (each replica's own under `replicas`) and health
+(serving while any replica is)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-# Snapshot keys that are not additive over replicas: the worst one stands for the deployment.
+# Not additive: the worst replica's stands for the deployment.
 _MAX_KEYS = frozenset({"stall_bound_s", "last_progress"})
 
 
 def merge_stats(per_replica: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
-    """Counters, gauges and histogram counts summed over replicas (lists element by element);
-    `healthy` when any replica is; `replicas`: each replica's own snapshot."""
     merged: dict[str, Any] = {}
     for stats in per_replica.values():
         for key, value in stats.items():
@@ -36,11 +33,10 @@ def _merge(key: str, a: Any, b: Any) -> Any:
     if isinstance(a, dict) and isinstance(b, dict) and key == "step_seconds":
         return {"buckets": a["buckets"], "counts": _merge("counts", a["counts"], b["counts"]),
                 "sum": a["sum"] + b["sum"]}
-    return a  # anything else: the first replica's
+    return a
 
 
 def merge_health(per_replica: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
-    """Healthy while at least one replica is; the reason names the unhealthy ones."""
     if not per_replica:
         return {"healthy": False, "reason": "no engine replica is running"}
     sick = {r: h for r, h in per_replica.items() if not h.get("healthy")}

@@ -1,9 +1,6 @@
-"""OpenAI request bodies: parsing, validation and the `SamplingParams` of each choice.
-
-Requests are parsed with Python's `json` (it keeps lone surrogates and NaN so we can name the
-offending parameter instead of failing as "invalid JSON"), validated by strict pydantic models,
-then turned into `SamplingParams`. Every failure is an `APIError` (400) naming the parameter.
-"""
+"""OpenAI request bodies: parsing, validation and each choice's `SamplingParams`; every failure
+is a 400 naming the parameter. Parsed with `json`, which keeps lone surrogates and NaN so the
+parameter can be named rather than the body called invalid JSON."""
 
 from __future__ import annotations
 
@@ -23,19 +20,18 @@ from pipeline.params import (
 )
 
 MAX_N = 16
-MAX_PROMPTS = 64  # prompts per batched completions request
+MAX_PROMPTS = 64
 MAX_JSON_DEPTH = 32
 
 
 class _Strict(BaseModel):
-    # strict: "5" is not an int and true is not a number; extra keys are ignored like vLLM does.
+    # "5" is not an int and true is not a number; extra keys are ignored, as vLLM does.
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
 def _documented(default: Any, **limits: Any) -> Any:
-    """A field whose limits are published in the OpenAPI schema only. The checks themselves stay
-    in `parse_*_request` / SamplingParams (400s naming the parameter); a limit here must never be
-    stricter than they are, or a schema-valid request would be refused."""
+    """Limits published in the OpenAPI schema only (the checks are below and in SamplingParams):
+    never stricter than those, or a schema-valid request would be refused."""
     return Field(default, json_schema_extra=limits)
 
 
@@ -60,20 +56,19 @@ class _CommonRequest(_Strict):
     min_tokens: int = _documented(0, minimum=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Special-token text in prompts and messages stays text (None: the server's setting,
-    # ServerSettings.split_special_tokens, true unless configured otherwise).
+    # None: ServerSettings.split_special_tokens
     split_special_tokens: bool | None = None
     n: int = _documented(1, minimum=1, maximum=MAX_N)
     stream: bool = False
-    stream_options: StreamOptions | None = None  # only with stream: true
+    stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted only at their no-op values (we do not implement them; never silently ignore).
+    # Accepted only at their no-op values: unimplemented, and never silently ignored.
     presence_penalty: float | None = _documented(None, **_ONLY_ZERO)
     frequency_penalty: float | None = _documented(None, **_ONLY_ZERO)
     repetition_penalty: float | None = _documented(None, minimum=1, maximum=1)
     logit_bias: dict[str, float] | None = _documented(None, maxProperties=0)
-    best_of: int | None = _documented(None, minimum=1, maximum=MAX_N)  # 1 or n
-    # Structured output (pipeline.frontend.structured): at most one of these.
+    best_of: int | None = _documented(None, minimum=1, maximum=MAX_N)
+    # At most one of these (pipeline.frontend.structured).
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -103,12 +98,11 @@ class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = _documented(..., minItems=1)
     max_completion_tokens: int | None = _documented(None, **_MAX_TOKENS)
     logprobs: bool = False
-    top_logprobs: int | None = _documented(None, minimum=0, maximum=MAX_LOGPROBS)  # needs logprobs
+    top_logprobs: int | None = _documented(None, minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 naming what is wrong."""
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -132,11 +126,8 @@ def _depth(obj: Any, level: int = 0) -> int:
     return level
 
 
-# OpenAI (and vLLM) parameters this server does not implement. Setting one to anything but null
-# is a 400 naming it: a client that asks for JSON or tool calls must not silently get free text.
-# (Other unknown keys are ignored, as vLLM does; `user`, `metadata`, `store`, `service_tier`,
-# `parallel_tool_calls` and `prompt_cache_key` do not change the output and are accepted.)
-# response_format, guided_json / _regex / _choice are supported (pipeline.frontend.structured).
+# Unimplemented parameters: anything but null is a 400, since a client that asks for tool calls
+# must not silently get free text. Other unknown keys do not change the output and are ignored.
 _STRUCTURED = ("guided_grammar", "structured_outputs")
 UNSUPPORTED_COMPLETION = (*_STRUCTURED, "tools", "tool_choice")
 UNSUPPORTED_CHAT = (*_STRUCTURED, "tools", "tool_choice", "functions", "function_call",
@@ -145,7 +136,6 @@ UNSUPPORTED_MESSAGE = ("tool_calls", "function_call", "tool_call_id", "audio", "
 
 
 def reject_unsupported(data: dict[str, Any], names: tuple[str, ...]) -> None:
-    """400 naming the first unsupported parameter set in `data` (null counts as unset)."""
     for name in names:
         if data.get(name) is not None:
             raise bad_request(f"{name}: is not supported by this server", param=name,
@@ -158,7 +148,7 @@ def reject_unsupported(data: dict[str, Any], names: tuple[str, ...]) -> None:
 
 def _reject_unsupported_in_messages(messages: Any) -> None:
     if not isinstance(messages, list):
-        return  # validation names the problem
+        return  # validation names it
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             continue
@@ -242,7 +232,7 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_prompt_text(text: str, param: str) -> None:
-    """Reject text no tokenizer should see: NUL and lone UTF-16 surrogates (not encodable)."""
+    """NUL and lone surrogates (not encodable) must not reach a tokenizer."""
     if "\x00" in text:
         raise bad_request(f"{param}: must not contain NUL characters", param=param)
     if _LONE_SURROGATE.search(text):
@@ -258,8 +248,6 @@ def _message_texts(m: ChatMessage) -> list[str]:
 
 
 def chat_messages_as_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the plain dicts chat templates expect (`developer` is a system message;
-    a participant `name` is passed on for templates that use it)."""
     out = []
     for m in req.messages:
         d = {"role": "system" if m.role == "developer" else m.role,
@@ -271,7 +259,6 @@ def chat_messages_as_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """The request's prompts: one string or id list each; empty and malformed ones rejected."""
     p = req.prompt
     prompts: list[str | list[int]]
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
@@ -298,11 +285,8 @@ def check_prompt_ids(ids: list[int], vocab_size: int, param: str) -> None:
                               param=param)
 
 
-# ----------------------------------------------------------------------------- sampling params
-
-
 def choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice `index`'s seed: choice 0 keeps the user's seed, later ones get distinct seeds."""
+    """Choice 0 keeps the user's seed; later choices get distinct ones."""
     if seed is None or index == 0:
         return seed
     return (seed + index * 0x9E3779B97F4A7C15) % (MAX_SEED + 1)
@@ -311,7 +295,6 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                        max_model_len: int, choice_index: int = 0,
                        default_max_tokens: int = 16, grammar: Any = None) -> SamplingParams:
-    """SamplingParams for one choice; checks the context window; errors name the user's param."""
     is_chat = isinstance(req, ChatCompletionRequest)
     max_name = ("max_completion_tokens" if is_chat and req.max_completion_tokens is not None
                 else "max_tokens")
@@ -340,7 +323,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_le
         "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
         "min_new_tokens": req.min_tokens, "seed": choice_seed(req.seed, choice_index),
         "grammar": grammar}
-    if req.temperature is not None:  # its range is SamplingParams' rule (a 400 from below)
+    if req.temperature is not None:
         kwargs["temperature"] = req.temperature
     if req.top_p is not None:
         kwargs["top_p"] = req.top_p

@@ -1,5 +1,4 @@
-"""OpenAI response bodies and SSE stream chunks, and the per-choice state they are built from
-(pure: no app state)."""
+"""OpenAI response bodies and SSE chunks, built from per-choice state (pure)."""
 
 from __future__ import annotations
 
@@ -13,27 +12,22 @@ from typing import Any
 
 from pipeline.output.request_output import Completion
 
-TokenStr = Callable[[int], str]  # token id -> its text, for logprob tables
+TokenStr = Callable[[int], str]
 
 
 @dataclass
 class ChoiceState(Completion):
-    """One choice's output so far: its deltas folded (`Completion.add`), and its index."""
-
     index: int = 0
 
 
 def stop_reason(c: Completion) -> Any:
-    """vLLM's `stop_reason`: the stop string or stop token id that ended the choice; None for EOS
-    (an EOS id not also in stop_token_ids), grammar, length or abort. Which kind ended it is the
-    output stage's decision (RequestOutput.finish_kind)."""
+    """vLLM's: the stop string or stop token id that ended the choice; None for EOS (one not in
+    stop_token_ids), grammar, length or abort."""
     return c.matched_stop if c.finish_kind in ("stop_token", "stop_string") else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
           ) -> dict[str, Any]:
-    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` when the engine reported
-    the prefix cache's share (0 when nothing was cached)."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
@@ -42,22 +36,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 def cached_tokens(choices: list[ChoiceState], num_prompts: int) -> int | None:
-    """Prompt tokens served from the prefix cache, counted like `prompt_tokens` (each prompt
-    once): the mean over each prompt's choices, summed over prompts. None when no choice
-    reported it."""
+    """Counted like `prompt_tokens`, each prompt once: the mean over its choices."""
     got = [c.cached_tokens for c in choices if c.cached_tokens is not None]
     if not got:
         return None
     return sum(got) * num_prompts // max(len(choices), 1)
 
 
-# ----------------------------------------------------------------------------- logprobs
-
-
 def completion_logprobs(token_ids: list[int], logprobs: list[float],
                         top: list[list[tuple[int, float]]], token_str: TokenStr,
                         offset: int = 0) -> dict[str, Any]:
-    """The legacy completions `logprobs` object for these tokens; `offset` = text already sent."""
+    """`offset`: the length of the text already sent."""
     tokens = [token_str(t) for t in token_ids]
     offsets = []
     for s in tokens:
@@ -73,7 +62,6 @@ def completion_logprobs(token_ids: list[int], logprobs: list[float],
 
 def chat_logprobs(token_ids: list[int], logprobs: list[float],
                   top: list[list[tuple[int, float]]], token_str: TokenStr) -> dict[str, Any]:
-    """The chat `logprobs` object: `content` holds one entry per token."""
     content = []
     for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
         row = top[i] if i < len(top) else []
@@ -88,9 +76,6 @@ def chat_logprobs(token_ids: list[int], logprobs: list[float],
 def _finite(x: float) -> float:
     # JSON has no -inf; OpenAI clients expect a number (vLLM uses -9999.0 the same way).
     return x if math.isfinite(x) else -9999.0
-
-
-# ----------------------------------------------------------------------------- responses
 
 
 def new_id(prefix: str) -> str:

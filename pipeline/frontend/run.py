@@ -22,14 +22,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InflightCount:
-    """HTTP generation requests started and not yet closed (what a drain waits for)."""
-
     value: int = 0
 
 
 @dataclass
 class ChoiceEvent:
-    """A delta of choice `index`, or the error that ended it (index -1: the client left)."""
+    """A delta or the error that ended the choice (index -1: the client left)."""
 
     index: int
     output: RequestOutput | None = None
@@ -37,18 +35,17 @@ class ChoiceEvent:
 
 
 class EngineRun:
-    """The engine requests of one HTTP request, one per choice, merged into one event queue.
-    Counted in `inflight` from creation until `close`."""
+    """Counted in `inflight` from creation until `close`."""
 
     def __init__(self, engine: Any, span: Any, inflight: InflightCount,
                  group: str | None = None, tenant: str = "") -> None:
         self.engine = engine
-        self.group = group  # the HTTP request's id: its choices are admitted fairly as one
-        self.tenant = tenant  # pipeline.frontend.tenant: whose drafting state it may share
+        self.group = group  # its choices are admitted fairly as one
+        self.tenant = tenant
         self.inflight = inflight
         inflight.value += 1
         self.closed = False
-        self.span = span  # the HTTP server span, ended on close; parent of the engine's spans
+        self.span = span  # the HTTP server span, ended on close
         self.traceparent = traceparent_of(span)
         self.queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
@@ -56,8 +53,6 @@ class EngineRun:
         self.finished: set[int] = set()
 
     def start(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Send one choice to the engine, as part of this HTTP request (its group, tenant and
-        trace)."""
         index = len(self.rids)
         self.rids.append(rid)
         call = EngineCall(rid, prompt_ids, params, self.traceparent, group=self.group,
@@ -66,7 +61,7 @@ class EngineRun:
 
     async def _pump(self, index: int, call: EngineCall) -> None:
         agen = None
-        try:  # a failing call ends this choice with the error too, never a hang
+        try:  # a failing call ends the choice with its error, never a hang
             agen = self.engine.generate(call)
             async for out in agen:
                 if out.finished and out.finish_reason == "error":  # never shown as a choice
@@ -74,7 +69,7 @@ class EngineRun:
                 self.queue.put_nowait(ChoiceEvent(index, output=out))
                 if out.finished:
                     break
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to a status
+        except Exception as e:  # noqa: BLE001 - the consumer maps it to a status
             self.queue.put_nowait(ChoiceEvent(index, error=e))
         finally:
             if agen is not None:
@@ -92,7 +87,7 @@ class EngineRun:
         self.tasks.append(asyncio.get_running_loop().create_task(watch()))
 
     async def next(self, deadline: float | None) -> tuple[int, RequestOutput]:
-        """The next delta of any choice; engine errors, ClientGone and timeouts are raised."""
+        """Raises engine errors, ClientGone and timeouts."""
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             event = await asyncio.wait_for(self.queue.get(), timeout)
@@ -110,7 +105,7 @@ class EngineRun:
         return len(self.finished) == len(self.rids)
 
     def close(self) -> None:
-        """Synchronous so it also runs in a cancelled handler: stop pumps, abort the unfinished."""
+        """Synchronous, so it also runs in a cancelled handler."""
         if not self.closed:
             self.closed = True
             self.inflight.value -= 1

@@ -13,16 +13,13 @@ class ServerSettings:
     model_name: str | None = None  # served name; None: the engine's model_info()["name"]
     api_key: str | None = None  # None: read SPECRELAY_API_KEY; "" disables the check
     max_body_bytes: int = 1 << 20
-    max_header_bytes: int = 16 << 10  # all request headers together
+    max_header_bytes: int = 16 << 10
     request_timeout_s: float | None = 600.0
     retry_after_s: int = 1
     health_timeout_s: float = 2.0
     stats_timeout_s: float = 2.0
-    # prompts x n of one request (engine requests it becomes); the engine admits them fairly
     max_choices_per_request: int = 64
-    # Special-token text a client sends (message content and names, text prompts) is tokenized
-    # as ordinary text, so it cannot forge chat turns; false turns it into control tokens (as
-    # vLLM does). A request's `split_special_tokens` overrides it.
+    # True: a client's special-token text is tokenized as text, so it cannot forge chat turns.
     split_special_tokens: bool = True
 
     def resolved_api_key(self) -> str | None:

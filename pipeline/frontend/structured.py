@@ -1,9 +1,5 @@
-"""Structured output parameters -> a compiled grammar (or a 400 naming the parameter).
-
-OpenAI's `response_format` (`json_object`, `json_schema`) and vLLM's `guided_json`,
-`guided_regex`, `guided_choice`; at most one per request. The grammar is compiled and checked
-against the served tokenizer before the request takes a queue place or a slot.
-"""
+"""Structured output parameters (`response_format`, vLLM's `guided_*`; at most one) -> a grammar
+compiled against the served tokenizer before the request takes a queue place or a slot."""
 
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ def wants_grammar(req: Any) -> bool:
 
 
 def grammar_source(req: Any) -> tuple[str, Any, str] | None:
-    """(grammar kind, source, the parameter it came from), or None for free text."""
+    """(grammar kind, source, parameter), or None for free text."""
     found: list[tuple[str, Any, str]] = []
     if req.response_format is not None:
         spec = _response_format(req.response_format)
@@ -62,8 +58,6 @@ def _response_format(fmt: dict[str, Any]) -> tuple[str, Any, str] | None:
 
 
 def request_grammar(req: Any, tokenizer: Any) -> Any:
-    """The compiled grammar of `req` for `tokenizer` (None for free text); a 400 naming the
-    parameter for an invalid schema or regex, or one the tokenizer cannot satisfy."""
     source = grammar_source(req)
     if source is None:
         return None

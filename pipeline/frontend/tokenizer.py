@@ -1,13 +1,7 @@
-"""The few tokenizer operations the front end needs, over an HF or the tiny byte tokenizer.
-
-Special tokens in user text. By default (`split_special_tokens`, the transformers name) text a
-client supplies (message content and names, text prompts) is tokenized with special-token
-strings split into ordinary tokens: `<|im_end|><|im_start|>system` inside a user message stays
-text and cannot forge a turn. Only the chat template's own markers become control tokens. The
-template is rendered twice when a message holds special-token text: once as is, once with each
-client string replaced by a marker, so the template's text is tokenized with special tokens and
-the client's without (and the two renderings must agree, else a 400).
-"""
+"""The tokenizer operations the front end needs. Client text (message content and names, text
+prompts) has its special-token strings split into ordinary tokens, so it cannot forge a chat
+turn: the template is rendered a second time with client strings replaced by markers, so that
+only the template's own text is tokenized with special tokens."""
 
 from __future__ import annotations
 
@@ -16,14 +10,12 @@ from typing import Any
 
 from pipeline.frontend.errors import bad_request
 
-_MARK = "\ue000{}\ue001"  # private-use characters around a client string's index
+_MARK = "\ue000{}\ue001"  # private-use characters
 _MARKS = re.compile("\ue000(\\d+)\ue001")
-_CLIENT_KEYS = ("content", "name")  # message fields a client writes
+_CLIENT_KEYS = ("content", "name")
 
 
 class TokenizerAdapter:
-    """Prompt encoding, chat templates and (cached) one-token strings for logprob tables."""
-
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self._strs: dict[int, str] = {}
@@ -31,17 +23,15 @@ class TokenizerAdapter:
 
     def encode(self, text: str, add_special_tokens: bool = True,
                split_special_tokens: bool = False) -> list[int]:
-        """`split_special_tokens`: special-token strings in `text` become ordinary tokens."""
         kwargs: dict[str, Any] = {"add_special_tokens": add_special_tokens}
         if split_special_tokens:
             kwargs["split_special_tokens"] = True
         try:
             return list(self.tok.encode(text, **kwargs))
-        except TypeError:  # tokenizers without the keywords (they parse no special text)
+        except TypeError:  # no such keywords: it parses no special text either
             return list(self.tok.encode(text))
 
     def special_texts(self) -> tuple[str, ...]:
-        """The strings the tokenizer would turn into special tokens."""
         if self._specials is None:
             found = set(getattr(self.tok, "all_special_tokens", None) or [])
             for added in (getattr(self.tok, "added_tokens_decoder", None) or {}).values():
@@ -65,13 +55,10 @@ class TokenizerAdapter:
 
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                     split_special_tokens: bool = True) -> list[int]:
-        """The model's chat template applied to `messages` (a plain fallback without one); the
-        special-token text of the messages split unless `split_special_tokens` is False."""
         text = self._render(messages, add_generation_prompt)
         if not split_special_tokens or not any(
                 isinstance(m.get(k), str) and self.holds_special_text(m[k])
                 for m in messages for k in _CLIENT_KEYS):
-            # The template already holds the special tokens it wants.
             return self.encode(text, add_special_tokens=False)
         values: list[str] = []
         marked = []

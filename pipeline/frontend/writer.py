@@ -1,5 +1,4 @@
-"""Turns one request's engine deltas into an OpenAI JSON body or an SSE stream, and records
-the request's metrics."""
+"""One request's engine deltas -> an OpenAI JSON body or SSE stream, and its metrics."""
 
 from __future__ import annotations
 
@@ -22,21 +21,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ResponseShape:
-    """What the response looks like, fixed by the request."""
-
     rid: str
-    model: str  # the served name echoed back
+    model: str
     chat: bool
     n_choices: int
     prompt_tokens: int
     want_logprobs: bool
     include_usage: bool  # streams: a final usage chunk, and "usage": null on the others
-    num_prompts: int = 1  # prompt_tokens counts each prompt once (choices share it)
+    num_prompts: int = 1
 
 
 class ResponseWriter:
-    """One run's deltas -> OpenAI JSON (`collect`) or SSE chunks (`stream`), plus metrics."""
-
     def __init__(self, shape: ResponseShape, run: EngineRun, metrics: ServerMetrics,
                  token_str: Callable[[int], str], t0: float) -> None:
         self.shape, self.run, self.metrics, self.token_str = shape, run, metrics, token_str
@@ -46,11 +41,9 @@ class ResponseWriter:
         self.created = int(time.time())
 
     async def first_deltas(self, deadline: float | None) -> list[tuple[int, RequestOutput]]:
-        """The first delta of any choice, plus whatever else is already queued.
-
-        Overload errors come before a choice's first delta, at submission, so by the time one
-        choice has output the others' immediate errors are queued too. Choices still waiting
-        for a slot do not hold back the stream of those already running."""
+        """The first delta of any choice, plus whatever else is queued: overload errors come at
+        submission, so by then the other choices' are queued too, while choices waiting for a
+        slot do not hold back the stream."""
         got = [await self.run.next(deadline)]
         while not self.run.queue.empty():
             got.append(await self.run.next(deadline))
@@ -106,7 +99,7 @@ class ResponseWriter:
                 pending.append(await self.run.next(deadline))
         except ClientGone:
             return
-        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, then end
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
             yield resp.sse(error_for(e).body())
             yield resp.SSE_DONE
             return
@@ -144,10 +137,8 @@ class ResponseWriter:
 
 
 class SSEResponse(StreamingResponse):
-    """An SSE response that notices a vanished client (send fails) and always runs `on_close`.
-
-    Disconnects seen by `receive` are handled by the run's watcher, which ends the stream (so,
-    unlike StreamingResponse, this one never reads `receive` itself)."""
+    """Always runs `on_close`. Unlike StreamingResponse it never reads `receive`: the run's
+    watcher handles disconnects."""
 
     def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         super().__init__(body, status_code=200, media_type="text/event-stream",
@@ -163,10 +154,10 @@ class SSEResponse(StreamingResponse):
                             "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
-            pass  # the client went away mid-send
+            pass  # the client left mid-send
         finally:
             self.on_close()
             try:
                 await self.body_iter.aclose()  # type: ignore[attr-defined]
-            except Exception as e:  # noqa: BLE001 - cleanup only; the run is already closed
+            except Exception as e:  # noqa: BLE001 - cleanup only
                 log.debug("closing the SSE body: %s", e)

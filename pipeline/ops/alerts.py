@@ -1,8 +1,6 @@
-"""The Prometheus alert rules of a specrelay deployment, as data. `rule_file()` is the plain rule
-file (helm/specrelay/files/alerts.yaml, what `promtool check rules` reads); the chart wraps the
-same groups in a PrometheusRule. Each alert's runbook is a section of docs/operations.md, and
-tests/ops/promtool/alerts_test.yaml unit-tests each one (a test fails when one has no unit test).
-"""
+"""The Prometheus alert rules, as data: `rule_file()` is helm/specrelay/files/alerts.yaml, which the
+chart also wraps in a PrometheusRule. Runbooks: docs/operations.md; unit tests:
+tests/ops/promtool/alerts_test.yaml."""
 
 from __future__ import annotations
 
@@ -12,11 +10,11 @@ from typing import Any
 GROUP = "specrelay"
 RUNBOOK = "docs/operations.md#{anchor}"
 
-# Thresholds (the docs' runbooks name them).
+# The runbooks name these thresholds.
 ACCEPTANCE_FLOOR = 0.1  # pooled verifier acceptance below this while drafting = collapse
 QUEUE_FULL = 0.9  # waiting / wait-queue places
 REJECTED_SHARE = 0.05  # 429s among generation requests
-ERROR_SHARE = 0.05  # 5xx among API requests (the /health probe's 503s are health, not errors)
+ERROR_SHARE = 0.05  # 5xx among API requests (not /health's 503s)
 
 API = 'route=~"/v1/.*"'
 
@@ -99,5 +97,4 @@ ALERTS = (
 
 
 def rule_file() -> dict[str, Any]:
-    """The plain Prometheus rule file (`groups:`)."""
     return {"groups": [{"name": GROUP, "rules": [a.rule() for a in ALERTS]}]}

@@ -1,10 +1,6 @@
-"""The Grafana dashboard of a specrelay deployment, as data: three rows (speculation, serving,
-replica/engine) of panels over the series /metrics exports (pipeline/frontend/metrics.py).
-
-Every query uses only Prometheus and the Grafana variables `$datasource` and `$__rate_interval`
-(tests/ops/test_ops_prometheus.py evaluates each one against a real Prometheus scraping the server).
-docs/operations.md says what each panel means and what to do about it.
-"""
+"""The Grafana dashboard, as data: rows of panels over the /metrics series. Queries use only
+Prometheus and the variables `$datasource` and `$__rate_interval` (tests/ops evaluates each one
+against a real Prometheus); docs/operations.md explains the panels."""
 
 from __future__ import annotations
 
@@ -156,7 +152,6 @@ ROWS = (("Speculation", SPECULATION), ("Serving", SERVING), ("Replica / engine",
 
 
 def queries() -> list[str]:
-    """Every PromQL expression of the dashboard, in order."""
     return [expr for _, panels in ROWS for p in panels for expr, _ in p.targets]
 
 
@@ -176,7 +171,7 @@ def _panel(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
 
 
 def dashboard() -> dict[str, Any]:
-    """The dashboard JSON model (Grafana's schema, version 39)."""
+    """Grafana's schema, version 39."""
     panels: list[dict[str, Any]] = []
     y = 0
     for title, row in ROWS:

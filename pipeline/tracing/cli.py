@@ -1,17 +1,8 @@
 """`specrelay trace FILE... [--request RID | --step N] [--format table|json]`
 
-Reads OTLP JSON-lines trace files (specrelay's file exporter or an OpenTelemetry Collector's file
-exporter) and answers: which verify steps did a request take part in and which one finished it,
-where in its window and why; which requests did a step finish; and, without a filter, a summary
-(finish reasons, overall and by step; acceptance by draft position; steps that verified no draft).
-
-With the engine's `spec.engine_step` spans in the file too, a request's steps form a timeline: per
-step the k the controller chose (and its cap and why, from `spec.control.*`), the drafts the
-verifier checked, how many it accepted and how many the output kept, and where it finished.
-
-Per-request step numbers come from the `spec.request.*` arrays on `spec.verify_step` spans (see
-pipeline/tracing/schema.py); for traces without them the steps are found through span links, with
-the counts unknown.
+Reads OTLP JSON-lines trace files: a request's timeline (k chosen, drafts verified, accepted and
+kept, its finish), the requests a step finished, or a summary. Traces without the per-request
+arrays (pipeline/tracing/schema.py) find steps through span links, with the counts unknown.
 """
 
 from __future__ import annotations
@@ -36,18 +27,14 @@ from pipeline.tracing.trace_file import SpanRecord, read_spans
 
 @dataclass
 class StepEntry:
-    """One request's part in one verify step."""
-
     step: int
     drafted: int | None
-    accepted: int | None  # by the verifier (raw, before finish truncation)
-    retained: int | None  # kept in the output
+    accepted: int | None  # raw, before finish truncation
+    retained: int | None
 
 
 @dataclass
 class ControlEntry:
-    """The controller's choice for one request in one step (from `spec.engine_step`)."""
-
     step: int
     k: int | None
     cap: int | None
@@ -87,8 +74,6 @@ class StepReport:
 
 
 class TraceIndex:
-    """The specrelay spans of some files, indexed by request id and step id."""
-
     def __init__(self, spans: list[SpanRecord]) -> None:
         self.requests: dict[str, SpanRecord] = {}
         self.steps: list[SpanRecord] = []
@@ -105,11 +90,10 @@ class TraceIndex:
         self._rid_of_span = {s.span_id: rid for rid, s in self.requests.items()}
 
     def step_entries(self, step: SpanRecord) -> dict[str, StepEntry]:
-        """rid -> its entry, for the requests that took part (retained tokens) in `step`."""
         a = step.attributes
         n = int(a["spec.step"])
         ids = a.get("spec.request.ids")
-        if ids is None:  # no arrays: who was in the step is still known from the links
+        if ids is None:
             rids = [self._rid_of_span.get(ln.span_id) for ln in step.links]
             return {rid: StepEntry(n, None, None, None) for rid in rids if rid is not None}
         drafted = a.get("spec.request.drafted") or [None] * len(ids)
@@ -122,7 +106,6 @@ class TraceIndex:
         }
 
     def control_entries(self, step: SpanRecord) -> dict[str, ControlEntry]:
-        """rid -> the controller's choice for it, in an engine step span (none without arrays)."""
         a = step.attributes
         ids = a.get("spec.request.ids") or ()
         n = int(a["spec.step"])
@@ -207,8 +190,8 @@ class TraceIndex:
             reasons[str(reason) if reason else "unfinished"] += 1
         hist: Counter[int] = Counter()
         drafted = accepted = 0
-        reached: Counter[int] = Counter()  # by draft position: request-steps that drafted it,
-        kept: Counter[int] = Counter()  # and those whose draft there was accepted
+        reached: Counter[int] = Counter()  # by draft position
+        kept: Counter[int] = Counter()
         seen: set[str] = set()  # a request's first step is its prefill
         undrafted_steps = undrafted_entries = 0
         by_step: dict[int, Counter[str]] = {}
@@ -239,12 +222,11 @@ class TraceIndex:
             "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
-            # per position: accepted / request-steps whose draft was that long (vLLM-style)
             "acceptance_by_position": [
                 {"position": p, "drafted": reached[p], "accepted": kept[p],
                  "rate": kept[p] / reached[p]} for p in sorted(reached)],
-            "steps_without_drafts": undrafted_steps,  # steps with decodes, none drafted
-            "request_steps_without_drafts": undrafted_entries,  # decodes without a draft
+            "steps_without_drafts": undrafted_steps,
+            "request_steps_without_drafts": undrafted_entries,
             "finishes_by_step": {str(n): dict(sorted(c.items())) for n, c in sorted(by_step.items())},
         }
 
@@ -289,7 +271,6 @@ def format_request(rep: RequestReport) -> str:
 
 
 def _timeline(rep: RequestReport) -> str:
-    """Per step: the k chosen (cap, why) against the drafts verified, accepted and kept."""
     control = {c.step: c for c in rep.control}
     finish_step = rep.finish.step if rep.finish is not None else None
     rows = []

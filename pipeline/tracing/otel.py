@@ -1,31 +1,7 @@
-"""OpenTelemetry set-up for every specrelay process, and W3C context helpers.
-
-Each actor process calls `setup_tracing(service_name, config)` once at start; later calls return the
-same provider (idempotent), so a shell can call it without knowing whether another did. The provider
-lives in one module-level slot per process. Under Ray every actor process has its own slot and reads
-its own environment, which is what we want: nothing is meant to travel between processes except the
-`traceparent` strings carried in messages.
-
-Settings, highest precedence first: the `config` dict, the standard `OTEL_*` environment variables,
-the defaults below.
-
-    config key              environment variable                         default
-    service_name            OTEL_SERVICE_NAME                            setup_tracing's argument
-    exporter                OTEL_TRACES_EXPORTER (otlp|console|file|none) none
-    otlp_protocol           OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf|grpc) http/protobuf
-    otlp_traces_endpoint    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT           (full URL, used as given)
-    otlp_endpoint           OTEL_EXPORTER_OTLP_ENDPOINT                  http://localhost:4318 (http),
-                                                                         http://localhost:4317 (grpc)
-    sample_ratio            OTEL_TRACES_SAMPLER_ARG                      1.0
-    file                    SPECRELAY_TRACE_FILE                         specrelay-traces.jsonl
-    batch                   -                                            True (BatchSpanProcessor)
-    max_links / max_events  OTEL_SPAN_LINK_COUNT_LIMIT / _EVENT_COUNT_   4096 (a step links every request)
-
-`OTEL_SDK_DISABLED=true` turns everything into the no-op tracer. The output path's spans are built
-by pipeline.tracing.recorder on top of this set-up. The sampler is always
-ParentBased(TraceIdRatioBased(ratio)): a span whose parent came in sampled (HTTP header, verifier
-message) is recorded, so one trace is never cut in half between processes.
-"""
+"""OpenTelemetry set-up, once per process, and W3C traceparent helpers. Settings: the `tracing:`
+config section, then the standard `OTEL_*` variables of this process, then the defaults
+(docs/config.md). Only `traceparent` strings in messages travel between processes; the
+ParentBased sampler records a span whose parent came in sampled, so no trace is cut in half."""
 
 from __future__ import annotations
 
@@ -58,26 +34,23 @@ PROTOCOLS = ("http/protobuf", "grpc")
 DEFAULT_TRACE_FILE = "specrelay-traces.jsonl"
 DEFAULT_MAX_LINKS = 4096
 _DEFAULT_BASE = {"http/protobuf": "http://localhost:4318", "grpc": "http://localhost:4317"}
-# The `tracing:` config keys (the table above, plus `disabled`); anything else is a typo.
 CONFIG_KEYS = ("service_name", "exporter", "otlp_protocol", "otlp_traces_endpoint",
                "otlp_endpoint", "sample_ratio", "file", "batch", "max_links", "max_events",
                "disabled")
-# Spellings other tools use, with what to write here instead (named in the error).
+# Other tools' spellings, with what to write here instead.
 _HINTS = {"endpoint": "otlp_endpoint", "protocol": "otlp_protocol",
           "otlp-grpc": "exporter: otlp with otlp_protocol: grpc",
           "otlp-http": "exporter: otlp with otlp_protocol: http/protobuf"}
 
 _log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
-# The one form specrelay writes (`traceparent_of`, OpenSpan.traceparent): version 00, nothing more.
+# The one form specrelay writes.
 _TRACEPARENT_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
-_FLAGS = {"00": TraceFlags(0), "01": TraceFlags(1)}  # the two every traced engine writes
+_FLAGS = {"00": TraceFlags(0), "01": TraceFlags(1)}
 
 
 @dataclass(frozen=True)
 class TracingConfig:
-    """Resolved settings; `resolve_config` builds it from a dict and the environment."""
-
     service_name: str
     exporter: str = "none"
     otlp_protocol: str = "http/protobuf"
@@ -96,7 +69,6 @@ class _Installed:
     provider: TracerProvider
 
 
-# The one per-process slot: set by setup_tracing, cleared by shutdown_tracing.
 _installed: _Installed | None = None
 
 
@@ -105,10 +77,7 @@ def resolve_config(
     config: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> TracingConfig:
-    """Merge `config`, then the OTEL_* variables of `environ` (default os.environ), then defaults.
-
-    Raises ValueError naming the setting on an unknown exporter/protocol or a bad ratio.
-    """
+    """ValueError naming the setting on an unknown key, exporter or protocol or a bad ratio."""
     cfg = dict(config or {})
     env = os.environ if environ is None else environ
     unknown = sorted(set(cfg) - set(CONFIG_KEYS))
@@ -125,7 +94,7 @@ def resolve_config(
         return default
 
     exporter = str(pick("exporter", "OTEL_TRACES_EXPORTER", "none")).lower()
-    exporter = exporter.split(",")[0].strip()  # the variable may list several; we take the first
+    exporter = exporter.split(",")[0].strip()
     if exporter not in EXPORTERS:
         hint = f"; write {_HINTS[exporter]}" if exporter in _HINTS else ""
         raise ValueError(f"exporter / OTEL_TRACES_EXPORTER: {exporter!r} not in {EXPORTERS}{hint}")
@@ -161,7 +130,6 @@ def resolve_config(
 
 
 def make_exporter(cfg: TracingConfig) -> SpanExporter | None:
-    """The exporter `cfg` names (None for "none"). OTLP exporters are imported only when used."""
     if cfg.exporter == "none":
         return None
     if cfg.exporter == "console":
@@ -179,10 +147,7 @@ def make_exporter(cfg: TracingConfig) -> SpanExporter | None:
 
 
 def make_provider(cfg: TracingConfig, exporter: SpanExporter | None = None) -> TracerProvider:
-    """A fresh provider for `cfg`, exporting to `exporter` (default: `make_exporter(cfg)`).
-
-    Installs nothing globally: tests and benchmarks use this directly with their own exporter.
-    """
+    """Installs nothing globally: tests and benchmarks pass their own exporter."""
     sampler = ParentBased(TraceIdRatioBased(cfg.sample_ratio))
     # A step span links every request in its batch and carries one event per finished request;
     # the SDK's default of 128 would silently drop some in a large batch.
@@ -202,13 +167,9 @@ def make_provider(cfg: TracingConfig, exporter: SpanExporter | None = None) -> T
 def setup_tracing(
     service_name: str, config: Mapping[str, Any] | None = None, register_global: bool = True
 ) -> TracerProvider:
-    """Install this process's provider once; later calls return it unchanged.
-
-    With `register_global`, also registers it as OpenTelemetry's global provider (when none was
-    registered yet) so library instrumentation in the same process joins the same traces. The
-    HTTP front end passes False: Ray Serve instruments its replicas with the global provider, and
-    its own server span would then stand beside ours as a second "HTTP server span".
-    """
+    """Install this process's provider once; later calls return it unchanged. The HTTP front end
+    passes register_global=False: Ray Serve's instrumentation would use a global provider and
+    add a second HTTP server span beside ours."""
     global _installed
     cfg = resolve_config(service_name, config)
     if _installed is not None:
@@ -216,8 +177,7 @@ def setup_tracing(
             _log.debug("setup_tracing: already set up as %s; ignoring %s", _installed.config, cfg)
         return _installed.provider
     if cfg.disabled or cfg.exporter == "none":
-        # Record nothing, not even children of sampled remote parents: with nowhere to send spans,
-        # building them would only cost time on the output path.
+        # Not even children of sampled remote parents: with nowhere to send them, spans cost only.
         provider = TracerProvider(sampler=ALWAYS_OFF)
     else:
         provider = make_provider(cfg)
@@ -228,23 +188,19 @@ def setup_tracing(
 
 
 def get_tracer(name: str = TRACER_NAME) -> trace.Tracer:
-    """A tracer from this process's provider; the global (no-op until set) one before setup."""
     if _installed is not None:
         return _installed.provider.get_tracer(name)
     return trace.get_tracer(name)
 
 
 def flush_tracing(timeout_s: float = 10.0) -> bool:
-    """Export every span this process has ended so far (the batch processor holds them for up to
-    5 s); call before the process may end: at exit, on SIGTERM, before an actor is killed.
-    False when an exporter did not finish in time."""
+    """Call before the process may end: the batch processor holds spans for up to 5 s."""
     if _installed is None:
         return True
     return bool(_installed.provider.force_flush(int(timeout_s * 1000)))
 
 
 def shutdown_tracing() -> None:
-    """Flush and close this process's exporters; a later setup_tracing starts afresh."""
     global _installed
     if _installed is None:
         return
@@ -254,11 +210,7 @@ def shutdown_tracing() -> None:
 
 
 def traceparent_of(span: trace.Span | None) -> str | None:
-    """The W3C `traceparent` of `span`, or None for a missing or invalid (no-op) span context.
-
-    A non-sampled span still has a valid context; its traceparent carries flags 00 so the receiver
-    does not record its child either.
-    """
+    """None for a missing or no-op span; a non-sampled span's carries flags 00."""
     if span is None or not span.get_span_context().is_valid:
         return None
     carrier: dict[str, str] = {}
@@ -267,8 +219,6 @@ def traceparent_of(span: trace.Span | None) -> str | None:
 
 
 def context_from_traceparent(tp: str | None) -> context_api.Context:
-    """A Context whose current span is the remote parent `tp` names; empty Context when tp is
-    None or malformed (the new span then starts a trace of its own)."""
     parent = parent_from_traceparent(tp)
     if parent is None:
         return context_api.Context()
@@ -276,17 +226,15 @@ def context_from_traceparent(tp: str | None) -> context_api.Context:
 
 
 def parent_from_traceparent(tp: str | None) -> SpanContext | None:
-    """The remote SpanContext `tp` names, as OpenTelemetry's W3C propagator reads it; None when
-    tp is None or malformed."""
+    """As OpenTelemetry's W3C propagator reads it; None when tp is None or malformed."""
     if not tp:
         return None
     m = _TRACEPARENT_00.fullmatch(tp)
-    if m is None:  # another version, surrounding blanks, or malformed: the propagator decides
+    if m is None:
         ctx = _PROPAGATOR.extract({"traceparent": tp}, context=context_api.Context())
         parent = trace.get_current_span(ctx).get_span_context()
         return parent if parent.is_valid else None
-    # What the propagator builds for this form, without its carrier and header plumbing (a step
-    # message parses one per step on the output path).
+    # The propagator's result without its plumbing: the output path parses one per step.
     trace_id, span_id = int(m[1], 16), int(m[2], 16)
     if not trace_id or not span_id:
         return None

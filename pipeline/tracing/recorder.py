@@ -1,10 +1,6 @@
-"""Spans for the output path, built as finished ReadableSpans in one go (`SpanRecorder`).
-
-Why not `tracer.start_span`: the SDK validates every attribute value element by element and
-rebuilds an attribute set for every link, about 1.5 us per request per step for a step span that
-links a 256-request batch -- 30% of the output processor's own time. Set-up, exporters and the
-traceparent helpers are pipeline.tracing.otel's.
-"""
+"""Output-path spans built as finished ReadableSpans in one go: `tracer.start_span` validates every
+attribute value and rebuilds every link's attributes, ~30% of the output processor's time on a
+256-request step."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 from pipeline.tracing.otel import TRACER_NAME, context_from_traceparent, parent_from_traceparent
 
-_UNSET = Status()  # immutable; shared by every span that ends without an error
+_UNSET = Status()  # immutable, so shared
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _RECORD_AND_SAMPLE, _RECORD_ONLY = Decision.RECORD_AND_SAMPLE, Decision.RECORD_ONLY
@@ -33,8 +29,6 @@ _FOLLOWS_REMOTE = (f"remoteParentSampled:{ALWAYS_ON.get_description()},"
 
 @dataclass(slots=True)
 class OpenSpan:
-    """A span started by SpanRecorder: its identity and start time; nothing else is kept."""
-
     name: str
     context: SpanContext
     parent: SpanContext | None
@@ -47,25 +41,16 @@ class OpenSpan:
 
 
 class SpanRecorder:
-    """Spans for the output path, built as finished ReadableSpans in one go.
-
-    A span is decided at start (the tracer's own sampler and id generator, so sampling and ids
-    are the SDK's) and assembled at end from values the caller guarantees well-typed (str, int,
-    float, bool, or tuples of one of them), then handed to the tracer's span processors (batch,
-    export) exactly as an ended SDK span is. Not applied: span limits and processors' `on_start`.
-
-    `tracer` must be an SDK tracer (from a TracerProvider); for anything else (OpenTelemetry's
-    no-op or proxy tracer) `enabled` is False and nothing is recorded.
-    """
+    """Sampling and ids are the SDK tracer's; attribute values must already be well-typed (str,
+    int, float, bool or tuples of one). Span limits and `on_start` are not applied. Disabled
+    (records nothing) for a tracer that is not the SDK's."""
 
     def __init__(self, tracer: trace.Tracer, scope: str = TRACER_NAME) -> None:
         self.enabled = isinstance(tracer, SdkTracer)
         self._tracer = tracer
-        # An SDK tracer keeps its provider's sampler and id generator for life.
         self._sampler = getattr(tracer, "sampler", None)
         self._ids = getattr(tracer, "id_generator", None)
-        # ParentBased with its default remote-parent samplers (as `make_provider` builds it): a
-        # remote parent's sampled flag alone decides its children, as on/off samplers would.
+        # ParentBased with its default remote-parent samplers: the parent's flag alone decides.
         self._follows_remote = isinstance(self._sampler, ParentBased) and (
             _FOLLOWS_REMOTE in self._sampler.get_description())
         self._scope = InstrumentationScope(scope)
@@ -77,7 +62,6 @@ class SpanRecorder:
         kind: SpanKind = SpanKind.INTERNAL,
         links: Sequence[Link] = (),
     ) -> OpenSpan | None:
-        """Decide and identify a span (None when the recorder is disabled)."""
         if not self.enabled:
             return None
         parent_ctx = None
@@ -98,10 +82,8 @@ class SpanRecorder:
     def start_child(
         self, name: str, traceparent: str | None, kind: SpanKind = SpanKind.INTERNAL
     ) -> OpenSpan | None:
-        """`start` under the remote parent `traceparent` names (a trace of its own when None or
-        malformed). Same decision, parent and trace state as `start`; under the sampler
-        `make_provider` builds (`_follows_remote`), read off the parent's flag without building
-        a Context for the sampler to read it from."""
+        """`start` under a remote parent; with `_follows_remote` its flag is read without
+        building a Context for the sampler."""
         if not self._follows_remote:
             return self.start(name, context_from_traceparent(traceparent), kind)
         parent = parent_from_traceparent(traceparent)
@@ -120,11 +102,10 @@ class SpanRecorder:
         links: Sequence[Link] = (),
         error: BaseException | None = None,
     ) -> None:
-        """Finish `span` with these attributes, events and links; nothing when not recording."""
         if span is None or not span.recording:
             return
         status = _UNSET
-        if error is not None:  # what the SDK's record_exception / set_status would have added
+        if error is not None:  # as the SDK's record_exception and set_status would
             status = Status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
             exc = {"exception.type": type(error).__name__, "exception.message": str(error)}
             events = (*events, Event("exception", exc))

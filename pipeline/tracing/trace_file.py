@@ -1,15 +1,5 @@
-"""Spans as OTLP JSON lines: the writer (a SpanExporter) and a liberal reader.
-
-The writer produces what the OpenTelemetry Collector's `file` exporter writes: one
-ExportTraceServiceRequest per line, `{"resourceSpans":[...]}`, in the OTLP/JSON encoding (camelCase
-keys, trace and span ids as lowercase hex, 64-bit integers as decimal strings, enums as integers,
-attributes as `{"key":..,"value":{"stringValue":..}}`). It is built from the official protobuf
-encoder, so the content is exactly what an OTLP exporter would send; only protobuf's JSON mapping
-for `bytes` (base64) is replaced with the hex OTLP/JSON requires for ids.
-
-The reader accepts both our files and a Collector's: hex or base64 ids, string or integer times,
-camelCase or snake_case keys.
-"""
+"""Spans as OTLP JSON lines, as the Collector's `file` exporter writes them (from the official
+protobuf encoder, ids as hex), and a reader that also takes base64 ids and snake_case keys."""
 
 from __future__ import annotations
 
@@ -34,7 +24,6 @@ _ID_KEYS = ("traceId", "spanId", "parentSpanId")
 
 
 def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
-    """One ExportTraceServiceRequest for `spans` as an OTLP/JSON dict."""
     doc = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
     for rs in doc.get("resourceSpans", ()):
         for ss in rs.get("scopeSpans", ()):
@@ -52,12 +41,8 @@ def _hex_ids(obj: dict[str, Any]) -> None:
 
 
 class JsonLinesSpanExporter(SpanExporter):
-    """Appends one OTLP/JSON line per export batch to `path`.
-
-    `{pid}` in the path is replaced with the process id, so actors sharing one setting write one
-    file each. Each line goes out in a single `write` on an O_APPEND descriptor, so processes that
-    do share a file never interleave inside a line.
-    """
+    """One line per export batch; `{pid}` in the path is the process id. A line is one `write`
+    on an O_APPEND descriptor, so processes sharing a file never interleave inside a line."""
 
     def __init__(self, path: str) -> None:
         self.path = path.replace("{pid}", str(os.getpid()))
@@ -81,7 +66,7 @@ class JsonLinesSpanExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True  # every export is already written through
+        return True
 
     def shutdown(self) -> None:
         with self._lock:
@@ -109,7 +94,7 @@ class LinkRecord:
 
 @dataclass
 class SpanRecord:
-    """One span read back from OTLP JSON; ids are lowercase hex, "" when absent."""
+    """Ids are lowercase hex, "" when absent."""
 
     trace_id: str
     span_id: str
@@ -124,8 +109,6 @@ class SpanRecord:
 
 
 def read_spans(paths: Iterable[str]) -> list[SpanRecord]:
-    """Every span in the OTLP JSON-lines files `paths`. Blank lines are skipped; a line that is not
-    JSON raises ValueError naming the file and line."""
     out: list[SpanRecord] = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
@@ -183,7 +166,6 @@ def _get(d: dict[str, Any], camel: str, snake: str) -> Any:
 
 
 def _id(raw: Any) -> str:
-    """Hex (OTLP/JSON) or base64 (protobuf's JSON mapping) id -> lowercase hex."""
     if not raw:
         return ""
     s = str(raw)
@@ -211,7 +193,7 @@ def _value(v: dict[str, Any]) -> Any:
     if "intValue" in v or "int_value" in v:
         return int(_get(v, "intValue", "int_value"))
     if "doubleValue" in v or "double_value" in v:
-        return float(_get(v, "doubleValue", "double_value"))  # also "NaN" / "Infinity"
+        return float(_get(v, "doubleValue", "double_value"))
     if "arrayValue" in v or "array_value" in v:
         return [_value(x) for x in (_get(v, "arrayValue", "array_value") or {}).get("values", ())]
     if "kvlistValue" in v or "kvlist_value" in v:
