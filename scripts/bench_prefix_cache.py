@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
+import os
+import sys
 import threading
 import time
 from typing import Any
+
+if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `scripts`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx
 import torch
@@ -27,6 +31,7 @@ import uvicorn
 from pipeline.config import load_config
 from pipeline.engine.local import LocalEngineClient, build_local_engine
 from pipeline.frontend.app import ServerSettings, create_app
+from scripts.harness import free_port, wait_healthy
 
 TOOLS = ("read_file", "write_file", "search", "list_dir", "run_tests", "git_diff", "git_log",
          "open_issue", "comment", "http_get", "python", "shell")
@@ -58,20 +63,12 @@ def serve(overrides: dict[str, Any], config_path: str) -> tuple[uvicorn.Server, 
     core = build_local_engine(load_config(config_path, overrides))
     app = create_app(LocalEngineClient(core), core.stages.verifier.runner.tokenizer,
                      ServerSettings())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return server, base, core
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("server did not start")
+    wait_healthy(base, timeout=60, interval=0.1)
+    return server, base, core
 
 
 def conversation(base: str, turns: int, max_tokens: int,

@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
-import time
 import urllib.request
 
 import torch
 
+if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `scripts`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from pipeline.models.runner import ModelRunner
 from pipeline.models.runners import load_runner
+from scripts.harness import interleaved, median_time
 
 VARIANTS = {"float32": ("float", "float32"), "int4/f32": ("quantized", "float32"),
             "int4/bf16": ("quantized", "bfloat16")}
@@ -120,16 +124,16 @@ def step_ms(runner: ModelRunner, prompt: list[int], batch: int, run: int, reps: 
     slots = [runner.allocate() for _ in range(batch)]
     runner.forward(slots, [prompt] * batch, last_only=True)
     base = runner.length(slots[0])
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        runner.forward(slots, [[5] * run] * batch)
-        times.append(time.perf_counter() - t0)
+
+    def roll_back() -> None:
         for s in slots:
             runner.truncate(s, base)
+
+    ms = median_time(lambda: runner.forward(slots, [[5] * run] * batch), reps, warmup=1,
+                     reset=roll_back) * 1e3
     for s in slots:
         runner.free(s)
-    return statistics.median(times[1:]) * 1e3
+    return ms
 
 
 CELLS = {"decode b1": (1, 1), "decode b8": (8, 1), "verify 5 b1": (1, 5), "prefill 64": (1, 64)}
@@ -139,12 +143,9 @@ def speed(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     runners = {v: runner_for(v) for v in VARIANTS}
     prompt = chat_ids(runners["float32"].tokenizer, PROMPTS[0])
-    results: dict[str, dict[str, list[float]]] = {v: {c: [] for c in CELLS} for v in VARIANTS}
-    for rep in range(args.reps):
-        order = list(VARIANTS) if rep % 2 == 0 else list(reversed(VARIANTS))
-        for v in order:
-            for cell, (batch, run) in CELLS.items():
-                results[v][cell].append(step_ms(runners[v], prompt, batch, run))
+    runs = interleaved(list(VARIANTS), args.reps, lambda v, _rep: {
+        cell: step_ms(runners[v], prompt, batch, run) for cell, (batch, run) in CELLS.items()})
+    results = {v: {c: [r[c] for r in rs] for c in CELLS} for v, rs in runs.items()}
     print(f"threads={args.threads} reps={args.reps} (ms, median [min-max])")
     for v in VARIANTS:
         print(f"{v:10s} " + "  ".join(

@@ -34,13 +34,10 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
-import socket
 import statistics
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,9 +47,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from scripts.tree_state import tree_state
-
-ONE, MANY = "bench-r1", "bench-rn"  # the two applications (and their route prefixes)
+from scripts.harness import cpu_delta, interleaved, parse_sets, run_meta, tree_cpu, write_json
+from scripts.replicas_bench.apps import MANY, ONE, start_apps, stop_apps
+from scripts.replicas_bench.hop import measure_hop
 
 
 @dataclass
@@ -77,118 +74,19 @@ class Run:
         return self.cpu_s / self.wall_s
 
 
-# --- the cluster and the apps --------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_apps(config: str, replicas: int, overrides: dict[str, Any], cpus: int) -> str:
-    """A local Ray with `cpus` logical CPUs, Serve on a free loopback port, and the two apps;
-    returns the base URL."""
-    import ray
-    from ray import serve
-
-    from actors.serve_app import build_app
-
-    if not ray.is_initialized():  # a test's cluster is reused (its CPUs are its own)
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-    wait_for_resources(config, overrides, 1 + replicas)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    for name, n in ((ONE, 1), (MANY, replicas)):
-        serve.run(build_app({"config": config, "overrides": overrides, "num_replicas": n,
-                             "request_timeout_s": 600}),
-                  name=name, route_prefix=f"/{name}", blocking=False)
-    base = f"http://127.0.0.1:{port}"
-    for name in (ONE, MANY):
-        wait_healthy(f"{base}/{name}")
-    return base
-
-
-def wait_for_resources(config: str, overrides: dict[str, Any], engines: int,
-                       timeout: float = 60.0) -> None:
-    """Wait until the cluster has the verifier placement groups of `engines` engines free; a
-    clear error otherwise, where serve.run would wait for them forever."""
-    import ray
-
-    from pipeline.config import load_config
-
-    cfg = load_config(config, overrides)
-    need: dict[str, float] = {}
-    for bundle in cfg.placement_spec.verifier_bundles(
-            cfg.tensor_parallel_size, cfg.device.startswith("cuda")) * engines:
-        for key, amount in bundle.items():
-            need[key] = need.get(key, 0.0) + amount
-    deadline = time.monotonic() + timeout
-    while any((free := ray.available_resources()).get(k, 0.0) < v for k, v in need.items()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{engines} engines need {need} for their verifier ranks; the "
-                               f"cluster has {free} free of {ray.cluster_resources()}")
-        time.sleep(0.5)
-
-
-def wait_healthy(url: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(f"{url}/health", timeout=5)
-            if last.status_code == 200:
-                return
-        except httpx.HTTPError as e:
-            last = e
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy: {last}")
-
-
-def stop_apps(own_ray: bool) -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    if own_ray:
-        ray.shutdown()
-
-
 # --- measuring -----------------------------------------------------------------------------------
 
 
-def process_cpu_s() -> dict[tuple[int, str], float]:
-    """CPU seconds of every process of the local cluster by (pid, role): a local Ray's GCS,
-    raylet, Serve proxy and actor workers descend from the driver; the role is the process
-    title Ray gives an actor worker (`ray::Engine`, `ray::ServeReplica:<app>:<deployment>`) with
-    the method it runs cut off."""
-    import psutil
-
-    out = {}
-    me = psutil.Process()
-    for proc in [me, *me.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-            title = (proc.cmdline() or [proc.name()])[0]
-        except psutil.Error:  # gone meanwhile
-            continue
-        role = "driver" if proc.pid == me.pid else title.split(" ")[0]
-        if role.startswith("ray::"):
-            role = role.split(".")[0]
-        elif "/" in role:
-            role = os.path.basename(role) + " " + " ".join(
-                os.path.basename(a) for a in proc.cmdline()[1:2])
-        out[(proc.pid, role)] = t.user + t.system
-    return out
-
-
-def cpu_delta(before: dict[tuple[int, str], float], after: dict[tuple[int, str], float],
-              ) -> dict[str, float]:
-    """CPU seconds spent between two snapshots, summed by role."""
-    by_role: dict[str, float] = {}
-    for key, t in after.items():
-        by_role[key[1]] = by_role.get(key[1], 0.0) + t - before.get(key, 0.0)
-    return by_role
+def role(pid: int, argv: list[str]) -> str:
+    """A local cluster's process by role: a local Ray's GCS, raylet, Serve proxy and actor workers
+    descend from the driver; the role is the process title Ray gives an actor worker
+    (`ray::Engine`, `ray::ServeReplica:<app>:<deployment>`) with the method it runs cut off."""
+    name = "driver" if pid == os.getpid() else argv[0].split(" ")[0]
+    if name.startswith("ray::"):
+        return name.split(".")[0]
+    if "/" in name:
+        return os.path.basename(name) + " " + " ".join(os.path.basename(a) for a in argv[1:2])
+    return name
 
 
 def prompts_for(rep: int, count: int, length: int, vocab: int = 256) -> list[list[int]]:
@@ -227,102 +125,15 @@ async def closed_loop(url: str, model: str, prompts: list[list[int]], concurrenc
 
 def wave(base: str, app: str, replicas: int, rep: int, model: str, prompts: list[list[int]],
          args: argparse.Namespace) -> Run:
-    c0 = process_cpu_s()
+    c0 = tree_cpu()
     t0 = time.perf_counter()
     tokens, failed, texts = asyncio.run(closed_loop(f"{base}/{app}", model, prompts,
                                                     args.concurrency, args.max_tokens))
     wall = time.perf_counter() - t0
-    by_role = cpu_delta(c0, process_cpu_s())
+    by_role = cpu_delta(c0, tree_cpu(), role)
     driver = by_role.pop("driver", 0.0)
     return Run(app, replicas, rep, wall, tokens, sum(by_role.values()), driver, failed, texts,
                {k: round(v / wall, 3) for k, v in sorted(by_role.items()) if v / wall >= 0.01})
-
-
-async def hop_ttft(app: str, prompts: list[list[int]], max_tokens: int,
-                   ) -> list[tuple[float, float]]:
-    """(direct-to-engine TTFT, through-the-Serve-handle TTFT) per prompt, alternating which goes
-    first; both to the app's one replica."""
-    from ray import serve
-
-    from actors.engine_client import EngineClient
-    from actors.replica_client import EngineDirectory
-    from pipeline.params import SamplingParams
-    from pipeline.protocol.engine_call import EngineCall
-
-    (engine,) = (await EngineDirectory(app).engines()).values()
-    direct = EngineClient(engine)
-    handle = serve.get_deployment_handle("EngineReplica", app_name=app).options(stream=True)
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-    async def via_engine(ids: list[int]) -> float:
-        t0 = time.perf_counter()
-        first = None
-        async for _ in direct.generate(EngineCall(f"hop-e-{uuid.uuid4().hex}", ids, params)):
-            first = first or time.perf_counter() - t0
-        return first
-
-    async def via_handle(ids: list[int]) -> float:
-        t0 = time.perf_counter()
-        first = None
-        async for _ in handle.generate.remote(EngineCall(f"hop-h-{uuid.uuid4().hex}", ids,
-                                                         params)):
-            first = first or time.perf_counter() - t0
-        return first
-
-    pairs = []
-    for i, ids in enumerate(prompts):
-        if i % 2:
-            h = await via_handle(ids)
-            e = await via_engine(ids[::-1])  # another prompt: no prefix-cache advantage
-        else:
-            e = await via_engine(ids)
-            h = await via_handle(ids[::-1])
-        pairs.append((e, h))
-    return pairs
-
-
-async def hop_call(app: str, calls: int) -> list[tuple[float, float]]:
-    """(engine.health() direct, the same through the replica) round trips, alternating: the
-    hop's cost without the engine's own time-to-first-token variance in it."""
-    from ray import serve
-
-    from actors.replica_client import EngineDirectory
-
-    (engine,) = (await EngineDirectory(app).engines()).values()
-    handle = serve.get_deployment_handle("EngineReplica", app_name=app)
-    out = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        await engine.health.remote()
-        t1 = time.perf_counter()
-        await handle.health.remote()
-        out.append((t1 - t0, time.perf_counter() - t1))
-    return out
-
-
-async def http_ttft(url: str, model: str, prompts: list[list[int]], max_tokens: int,
-                    ) -> list[float]:
-    out = []
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        for ids in prompts:
-            body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            t0 = time.perf_counter()
-            first = None
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if first is None and line.startswith("data: {") and any(
-                            c.get("text") for c in json.loads(line[6:]).get("choices") or []):
-                        first = time.perf_counter() - t0
-            out.append(first)
-    return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -361,12 +172,6 @@ def mismatches(runs: list[Run]) -> list[str]:
     return bad
 
 
-def meta(args: argparse.Namespace, elapsed: float) -> dict[str, Any]:
-    return {"args": vars(args), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "platform": platform.platform(), **tree_state(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "elapsed_s": elapsed}
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny.yaml"))
@@ -390,10 +195,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    overrides: dict[str, Any] = {"torch_threads": args.threads}
-    for item in args.set:
-        key, raw = item.split("=", 1)
-        overrides[key] = json.loads(raw)
+    overrides: dict[str, Any] = {"torch_threads": args.threads, **parse_sets(args.set, json.loads)}
     start = time.perf_counter()
     import ray
 
@@ -404,39 +206,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         warm = prompts_for(-1, 4 * args.replicas, args.prompt_len)
         for app, n in ((ONE, 1), (MANY, args.replicas)):  # first forwards on every replica
             asyncio.run(closed_loop(f"{base}/{app}", model, warm, 2 * n, 4))
-        runs: list[Run] = []
-        for rep in range(args.reps):
-            prompts = prompts_for(rep, args.requests, args.prompt_len)
-            order = [(ONE, 1), (MANY, args.replicas)]
-            for app, n in order if rep % 2 == 0 else order[::-1]:
-                runs.append(wave(base, app, n, rep, model, prompts, args))
-                r = runs[-1]
-                print(f"repeat {rep} {n} replica(s): {r.tokens_per_s:7.1f} tokens/s, "
-                      f"{r.wall_s:6.2f} s, {r.cores:4.2f} cores (+ driver "
-                      f"{r.driver_cpu_s / r.wall_s:4.2f}), failed {r.failed}", flush=True)
-                if args.verbose:
-                    print("   cores by process:", r.cores_by_role, flush=True)
-        runs.sort(key=lambda r: (r.rep, r.app != ONE))
+
+        def measure(arm: tuple[str, int], rep: int) -> Run:
+            (app, n), prompts = arm, prompts_for(rep, args.requests, args.prompt_len)
+            r = wave(base, app, n, rep, model, prompts, args)
+            print(f"repeat {rep} {n} replica(s): {r.tokens_per_s:7.1f} tokens/s, "
+                  f"{r.wall_s:6.2f} s, {r.cores:4.2f} cores (+ driver "
+                  f"{r.driver_cpu_s / r.wall_s:4.2f}), failed {r.failed}", flush=True)
+            if args.verbose:
+                print("   cores by process:", r.cores_by_role, flush=True)
+            return r
+
+        by_app = interleaved([(ONE, 1), (MANY, args.replicas)], args.reps, measure)
+        runs = sorted((r for rs in by_app.values() for r in rs),
+                      key=lambda r: (r.rep, r.app != ONE))
         summary = summarize(runs, args.replicas)
         bad = mismatches(runs)
         hop: dict[str, Any] = {}
         if args.hop_requests:
-            hop_prompts = prompts_for(99, args.hop_requests, args.prompt_len)
-            pairs = asyncio.run(hop_ttft(ONE, hop_prompts, 8))
-            direct = [e * 1e3 for e, _ in pairs]
-            handle = [h * 1e3 for _, h in pairs]
-            diff = [h - e for e, h in zip(direct, handle)]
-            http = [t * 1e3 for t in asyncio.run(http_ttft(
-                f"{base}/{ONE}", model, prompts_for(98, args.hop_requests, args.prompt_len), 8))]
-            calls = asyncio.run(hop_call(ONE, 4 * args.hop_requests))
-            rpc = [(h - e) * 1e3 for e, h in calls]
-            hop = {name: {"p50_ms": percentile(v, 0.5), "p99_ms": percentile(v, 0.99)}
-                   for name, v in (("engine_ttft", direct), ("handle_ttft", handle),
-                                   ("hop_added", diff), ("http_ttft", http),
-                                   ("hop_call_added", rpc))}
-            hop["ttft_shift"] = {q: hop["handle_ttft"][q] - hop["engine_ttft"][q]
-                                 for q in ("p50_ms", "p99_ms")}
-            hop["ray"] = ray.__version__
+            hop = measure_hop(ONE, f"{base}/{ONE}", model,
+                              prompts_for(99, args.hop_requests, args.prompt_len),
+                              prompts_for(98, args.hop_requests, args.prompt_len),
+                              4 * args.hop_requests)
     finally:
         stop_apps(own_ray)
     elapsed = time.perf_counter() - start
@@ -461,13 +252,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"shifts TTFT p50 by {hop['ttft_shift']['p50_ms']:.2f} ms, p99 by "
               f"{hop['ttft_shift']['p99_ms']:.2f} ms; a call through it (health) p50 "
               f"{hop['hop_call_added']['p50_ms']:.2f} ms, p99 {hop['hop_call_added']['p99_ms']:.2f} ms")
-    result = {"meta": meta(args, elapsed), "summary": summary, "hop": hop,
+    result = {"meta": run_meta(args, elapsed), "summary": summary, "hop": hop,
               "mismatches": bad[:20],
               "runs": [{k: v for k, v in asdict(r).items() if k != "texts"} for r in runs]}
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
     return result
 
 

@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,49 +31,31 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx
-import psutil
 import yaml
 
 from pipeline.config import parse_null_source
-from pipeline.models.null import next_token, null_config
+from pipeline.models.null import null_config
 from pipeline.models.runners import tiny_tokenizer
-from scripts.tree_state import tree_state
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tree_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """pid -> (name, CPU seconds) for `pid` and its descendants (Ray names its workers after the
-    actor: `ray::Engine`, `ray::ServeReplica:...`); gone processes are left out."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return {}
-    out = {}
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            name = " ".join(p.cmdline()[:1]) or p.name()
-            out[p.pid] = (name.split(" ")[0][:60], t.user + t.system)
-        except psutil.Error:
-            continue
-    return out
+from scripts.harness import (
+    ROOT,
+    alternated,
+    cpu_delta,
+    free_port,
+    null_tokens,
+    parse_sets,
+    spread,
+    stop_group,
+    tree_cpu,
+    tree_state,
+    wait_healthy,
+    write_json,
+)
 
 
-def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
-              ) -> dict[str, float]:
-    """CPU seconds spent between two `tree_cpu` readings, by process name."""
-    out: dict[str, float] = {}
-    for pid, (name, cpu) in after.items():
-        out[name] = out.get(name, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
-    return out
+def process_name(pid: int, argv: list[str]) -> str:
+    """A server process by its title (Ray names its workers after the actor: `ray::Engine`,
+    `ray::ServeReplica:...`)."""
+    return argv[0].split(" ")[0][:60]
 
 
 async def stream(client: httpx.AsyncClient, base: str, prompt: list[int], tokens: int
@@ -122,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.config) as f:
         config = yaml.safe_load(f)
     config.update({"draft": "none", "max_model_len": args.tokens + 64})
-    config.update({k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)})
+    config.update(parse_sets(args.set))
     config["num_slots"] = max(int(config.get("num_slots", 8)), args.concurrency)
     tmp = tempfile.mkdtemp(prefix="bench-serve-")
     cfg_path = os.path.join(tmp, "config.yaml")
@@ -142,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     outputs: dict[int, set[str]] = {}
     bad = 0
     try:
-        asyncio.run(wait_healthy(base, proc))
+        wait_healthy(base, proc=proc)
         ps = prompts(args.concurrency, vocab)
 
         async def run() -> None:
@@ -150,13 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             async with httpx.AsyncClient(timeout=600) as client:
                 await stream(client, base, ps[0], 8)  # warm
                 for rep in range(args.reps):
-                    for part in (("one", "many") if rep % 2 == 0 else ("many", "one")):
+                    for part in alternated(("one", "many"), rep):
                         batch = ps[:1] if part == "one" else ps
                         c0, t0 = tree_cpu(proc.pid), time.perf_counter()
                         got = await asyncio.gather(*(stream(client, base, q, args.tokens)
                                                      for q in batch))
                         wall = time.perf_counter() - t0
-                        by_name = cpu_delta(c0, tree_cpu(proc.pid))
+                        by_name = cpu_delta(c0, tree_cpu(proc.pid), process_name)
                         cpu = sum(by_name.values())
                         n = sum(len(t) for t, _ in got)
                         for name, c in by_name.items():
@@ -173,16 +153,16 @@ def main(argv: list[str] | None = None) -> int:
 
         asyncio.run(run())
     finally:
-        with_signal(proc, signal.SIGINT)
+        stop_group(proc)
         log.close()
     bad += sum(len(texts) != 1 for texts in outputs.values())
     if null_ms is not None:  # the null model's text is its known sequence, byte by byte
         bad += int(outputs.get(0) != {expected_text(prompts(1, vocab)[0], args.tokens)})
     result = {
         "ms_per_token_one_stream": statistics.median(single),
-        "one_stream_spread": spread(single),
+        "one_stream_spread": spread(single) or 0.0,
         f"tok_s_{args.concurrency}_streams": statistics.median(multi),
-        "many_streams_spread": spread(multi),
+        "many_streams_spread": spread(multi) or 0.0,
         "server_cpu_ms_per_token": {
             part: statistics.median(c for q, c in cpu_per_tok if q == part)
             for part in ("one", "many")},
@@ -191,53 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             sorted(per_process.items()) if statistics.median(v) >= 0.05},
         "bad_outputs": bad, "config": config, "args": vars(args), "tree": tree_state()}
     print(json.dumps({k: v for k, v in result.items() if k not in ("config", "args")}, indent=1))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(os.path.join(args.out, "results.json"), result, indent=2)
     return 1 if bad else 0
 
 
 def expected_text(prompt: list[int], tokens: int) -> str:
     """The null model's output (its known successor chain) as the byte tokenizer writes it."""
-    cfg = null_config()
-    tok, out = prompt[-1], []
-    for _ in range(tokens):
-        tok = next_token(tok, cfg.vocab_size, cfg.eos_token_ids)
-        out.append(tok)
-    return tiny_tokenizer().decode(out, skip_special_tokens=True)
-
-
-def spread(xs: list[float]) -> float:
-    med = statistics.median(xs)
-    return (max(xs) - min(xs)) / med if med else 0.0
-
-
-async def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"specrelay serve exited with {proc.returncode}")
-            try:
-                if (await client.get(f"{base}/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"{base} not healthy after {timeout}s")
-
-
-def with_signal(proc: subprocess.Popen, sig: int) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    return tiny_tokenizer().decode(null_tokens(prompt[-1], tokens), skip_special_tokens=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import os
 import random
 import statistics
 import sys
-import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -33,7 +32,7 @@ sys.path.insert(0, ROOT)
 from pipeline.engine.spec.policy import SpecController
 from pipeline.engine.spec.record import span_attributes
 from pipeline.spec_settings import SpecSettings
-from scripts.tree_state import tree_state
+from scripts.harness import discarding_tracer_provider, spread, stopwatch, tree_state
 
 MAX_K = 16
 
@@ -52,19 +51,6 @@ def step(c: SpecController, rids: list[str], rng: random.Random, tracer=None) ->
     c.observe(rids, drafted, kept, seconds)
 
 
-def discarding_tracer():
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-    from pipeline.tracing.otel import make_provider, resolve_config
-
-    class Discard(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
-
-    cfg = resolve_config("bench", {"sample_ratio": 1.0}, environ={})
-    return make_provider(cfg, Discard()).get_tracer("specrelay")
-
-
 def measure(batch: int, steps: int, seed: int, tracer=None) -> tuple[float, float]:
     """(wall ms, CPU ms) per step of one warmed controller."""
     rng = random.Random(seed)
@@ -72,10 +58,10 @@ def measure(batch: int, steps: int, seed: int, tracer=None) -> tuple[float, floa
     rids = [f"r{i}" for i in range(batch)]
     for _ in range(40):
         step(c, rids, rng)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        step(c, rids, rng, tracer)
-    return ((time.perf_counter() - t0) * 1e3 / steps, (time.process_time() - c0) * 1e3 / steps)
+    with stopwatch() as took:
+        for _ in range(steps):
+            step(c, rids, rng, tracer)
+    return took.wall_s * 1e3 / steps, took.cpu_s * 1e3 / steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,14 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="also a sampled engine step span with the decision attributes")
     args = ap.parse_args(argv)
-    tracer = discarding_tracer() if args.trace else None
+    tracer = discarding_tracer_provider(1.0).get_tracer("specrelay") if args.trace else None
     out: dict = {**tree_state(), "batches": {}}
     for b in args.batches:
         runs = [measure(b, args.steps, seed, tracer) for seed in range(args.repeats)]
         wall, cpu = ([r[i] for r in runs] for i in (0, 1))
-        med = statistics.median(wall)
-        out["batches"][b] = {"wall_ms_per_step": med, "cpu_ms_per_step": statistics.median(cpu),
-                             "spread": (max(wall) - min(wall)) / med}
+        out["batches"][b] = {"wall_ms_per_step": statistics.median(wall),
+                             "cpu_ms_per_step": statistics.median(cpu), "spread": spread(wall)}
     print(json.dumps(out, indent=1))
     return 0
 

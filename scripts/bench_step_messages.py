@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -39,7 +37,7 @@ from pipeline.protocol import (
     encode_plan,
     encode_proposal,
 )
-from scripts.tree_state import tree_state
+from scripts.harness import median_time, tree_state
 
 
 def plan_of(b: int, k: int) -> StepPlan:
@@ -84,12 +82,7 @@ def deltas_of(b: int, k: int, top: int) -> list[RequestOutput]:
 
 def timed(fn: Callable[[object], object], arg: object, repeats: int) -> float:
     """Median microseconds of one call `fn(arg)`."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(arg)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_time(lambda: fn(arg), repeats) * 1e6
 
 
 def main() -> None:

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -45,13 +44,23 @@ if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` a
 
 from pipeline.config import EngineConfig, load_config, parse_null_source
 from pipeline.engine.local import build_local_engine
-from pipeline.models.null import next_token, null_config
+from pipeline.models.null import null_config
 from pipeline.params import SamplingParams
 from pipeline.protocol import EngineCall
-from scripts.bench_engine import Clock, process_tree_cpu_s, timed_stages
-from scripts.tree_state import tree_state
+from scripts.engine_bench.stages import Clock, timed_stages
+from scripts.harness import (
+    ROOT,
+    alternated,
+    markdown_table,
+    null_tokens,
+    parse_sets,
+    spread,
+    stopwatch,
+    tree_cpu_s,
+    tree_state,
+    write_json,
+)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("schedule", "draft", "verify", "forward", "output", "loop")
 PROMPT_LEN = 8
 
@@ -82,15 +91,6 @@ def prompts(batch: int, rep: int) -> list[list[int]]:
     return [[(3 + 17 * i + rep + j) % vocab for j in range(PROMPT_LEN)] for i in range(batch)]
 
 
-def expected(prompt: list[int], n: int) -> list[int]:
-    cfg = null_config()
-    out, tok = [], prompt[-1]
-    for _ in range(n):
-        tok = next_token(tok, cfg.vocab_size, cfg.eos_token_ids)
-        out.append(tok)
-    return out
-
-
 async def wave(generate: Any, tag: str, batch: int, rep: int, tokens: int, null: bool
                ) -> tuple[int, int, list[list[int]]]:
     """Run one wave through `generate(call)` (an async iterator of deltas); (tokens, outputs
@@ -105,7 +105,7 @@ async def wave(generate: Any, tag: str, batch: int, rep: int, tokens: int, null:
 
     ps = prompts(batch, rep)
     outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
-    bad = sum(o != expected(p, tokens) for p, o in zip(ps, outs)) if null else 0
+    bad = sum(o != null_tokens(p[-1], tokens) for p, o in zip(ps, outs)) if null else 0
     return sum(len(o) for o in outs), bad, list(outs)
 
 
@@ -143,9 +143,9 @@ class InProcess:
         self.clock.times = type(self.clock.times)()
         self.schedule_s = 0.0
         steps0 = self.core.stats.steps
-        t0, c0 = time.perf_counter(), time.process_time()
-        n, bad, outs = asyncio.run(go())
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        with stopwatch() as took:
+            n, bad, outs = asyncio.run(go())
+        wall, cpu = took.wall_s, took.cpu_s
         t = self.clock.times
         parts = {"schedule": self.schedule_s, "draft": t.draft,
                  "verify": t.verify - t.verify_forward, "forward": t.verify_forward,
@@ -169,12 +169,11 @@ class ThroughRay:
 
     def run(self, tag: str, batch: int, rep: int, tokens: int) -> Wave:
         steps0 = self.ray.get(self.handle.stats.remote())["steps"]
-        t0, c0 = time.perf_counter(), process_tree_cpu_s()
-        n, bad, outs = asyncio.run(wave(self.client.generate, tag, batch, rep, tokens,
-                                        self.null))
-        wall, cpu = time.perf_counter() - t0, process_tree_cpu_s() - c0
+        with stopwatch(tree_cpu_s) as took:
+            n, bad, outs = asyncio.run(wave(self.client.generate, tag, batch, rep, tokens,
+                                            self.null))
         steps = self.ray.get(self.handle.stats.remote())["steps"] - steps0
-        return Wave(wall, steps, cpu, n, bad_outputs=bad, outputs=outs)
+        return Wave(took.wall_s, steps, took.cpu_s, n, bad_outputs=bad, outputs=outs)
 
     def close(self) -> None:
         from actors.engine import stop_engine
@@ -185,9 +184,8 @@ class ThroughRay:
 
 def summarize(waves: list[Wave]) -> dict[str, Any]:
     per_step = [w.wall_s * 1e3 / max(w.steps, 1) for w in waves]
-    med = statistics.median(per_step)
     out: dict[str, Any] = {
-        "step_ms": med, "spread": (max(per_step) - min(per_step)) / med if med else 0.0,
+        "step_ms": statistics.median(per_step), "spread": spread(per_step) or 0.0,
         "steps": waves[0].steps, "tok_s": statistics.median(w.tokens / w.wall_s for w in waves),
         "cpu_ms_per_step": statistics.median(w.cpu_s * 1e3 / max(w.steps, 1) for w in waves),
         "bad_outputs": sum(w.bad_outputs for w in waves)}
@@ -198,8 +196,7 @@ def summarize(waves: list[Wave]) -> dict[str, Any]:
 
 
 def table(cells: dict[str, dict[str, Any]], batches: list[int]) -> str:
-    lines = ["| batch | transport | ms/step | spread | tok/s | CPU ms/step | "
-             + " | ".join(PARTS) + " | transport |", "|---" * (7 + len(PARTS)) + "|"]
+    rows = []
     for b in batches:
         local = cells.get(f"inproc/b{b}")
         for name in ("inproc", "ray"):
@@ -209,10 +206,10 @@ def table(cells: dict[str, dict[str, Any]], batches: list[int]) -> str:
             parts = c.get("parts_ms")
             cols = [f"{parts[p]:.2f}" for p in PARTS] if parts else ["-"] * len(PARTS)
             extra = f"{c['step_ms'] - local['step_ms']:.2f}" if name == "ray" and local else "-"
-            lines.append(f"| {b} | {name} | {c['step_ms']:.2f} | {c['spread']:.0%} | "
-                         f"{c['tok_s']:.0f} | {c['cpu_ms_per_step']:.2f} | "
-                         + " | ".join(cols) + f" | {extra} |")
-    return "\n".join(lines)
+            rows.append([str(b), name, f"{c['step_ms']:.2f}", f"{c['spread']:.0%}",
+                         f"{c['tok_s']:.0f}", f"{c['cpu_ms_per_step']:.2f}", *cols, extra])
+    return markdown_table(["batch", "transport", "ms/step", "spread", "tok/s", "CPU ms/step",
+                           *PARTS, "transport"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,10 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a config override for both transports (YAML value)")
     p.add_argument("--out", default=os.path.join("bench-out", "step"))
     args = p.parse_args(argv)
-    import yaml
-
     config = bench_config(args)
-    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    overrides = parse_sets(args.set)
     if overrides:
         config = dataclasses.replace(config, **overrides)
     runners: dict[str, Any] = {}
@@ -250,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             r.run(f"warm-{name}", 2, 0, 4)
         for rep in range(args.reps):
             for b in args.batches:
-                order = list(runners) if rep % 2 == 0 else list(reversed(runners))
-                for name in order:
+                for name in alternated(list(runners), rep):
                     waves.setdefault(f"{name}/b{b}", []).append(
                         runners[name].run(f"{name}{b}.{rep}", b, rep, args.tokens))
     finally:
@@ -264,11 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = [waves[f"{name}/b{b}"] for name in runners]
         bad += sum(x.outputs != y.outputs for ws in zip(*runs) for x, y in itertools.pairwise(ws))
     print(table(cells, args.batches))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"cells": cells, "args": vars(args), "tree": tree_state(),
-                   "config": {"model": config.model, "draft": config.draft,
-                              "overlap": config.overlap}}, f, indent=2)
+    write_json(os.path.join(args.out, "results.json"),
+               {"cells": cells, "args": vars(args), "tree": tree_state(),
+                "config": {"model": config.model, "draft": config.draft,
+                           "overlap": config.overlap}}, indent=2)
     if bad:
         print(f"{bad} outputs differ from the null model's greedy sequence or between the "
               "transports", file=sys.stderr)

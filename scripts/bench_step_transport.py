@@ -18,8 +18,6 @@ import statistics
 import sys
 import time
 
-import yaml
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from actors.engine import start_engine, stop_engine
@@ -27,6 +25,7 @@ from actors.engine_client import EngineClient
 from pipeline.config import STEP_TRANSPORTS, load_config
 from pipeline.params import SamplingParams
 from pipeline.protocol.engine_call import EngineCall
+from scripts.harness import parse_sets
 
 
 async def one_request(client: EngineClient, rid: str, tokens: int) -> float:
@@ -40,13 +39,8 @@ async def one_request(client: EngineClient, rid: str, tokens: int) -> float:
     return (time.perf_counter() - start) / tokens
 
 
-def _parse_set(item: str) -> tuple[str, object]:
-    key, _, value = item.partition("=")
-    return key, yaml.safe_load(value)
-
-
 def measure(transport: str, args: argparse.Namespace) -> dict:
-    overrides = {"draft": args.draft, **dict(_parse_set(kv) for kv in args.set)}
+    overrides = {"draft": args.draft, **parse_sets(args.set)}
     config = load_config("configs/tiny.yaml", {**overrides, "step_transport": transport})
     handle = start_engine(config)
     try:

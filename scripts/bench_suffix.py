@@ -30,6 +30,7 @@ from pipeline.config import EngineConfig, load_config
 from pipeline.draft.suffix import SuffixProposer, SuffixSettings
 from pipeline.params import SamplingParams
 from pipeline.protocol import NewRequest, StepPlan, encode_plan
+from scripts.harness import stopwatch
 
 GREEDY = SamplingParams(max_new_tokens=1024)  # sizes the per-request index as the engine would
 
@@ -79,9 +80,9 @@ def step_cost(size: int, steps: int, k: int, seed: int) -> dict:
     settings = SuffixSettings(global_tokens=size, global_requests=10**9, max_model_len=4096)
     p = SuffixProposer(settings)
     traffic = Traffic(seed)
-    t0 = time.perf_counter()
-    used = fill(p, traffic, size, "fill")
-    fill_s = time.perf_counter() - t0
+    with stopwatch() as took:
+        used = fill(p, traffic, size, "fill")
+    fill_s = took.wall_s
     times, drafted, commit_times = [], [], []
     prompt, out = traffic.request(out_len=steps + 8)
     p.add("probe", prompt, GREEDY)

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import sys
 import time
 
 import torch
 
+if __package__ in (None, ""):  # run as a file: the repo root holds `pipeline` and `scripts`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from pipeline.config import load_config
 from pipeline.engine.local import build_local_engine, collect
 from pipeline.params import SamplingParams
+from scripts.harness import stopwatch
 
 CODE = '''def moving_average(values, window):
     if window <= 0:
@@ -69,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             prefill_cpu = time.process_time() - c0
             before = (core.stats.steps, core.stats.verifies, core.stats.accepted_tokens,
                       list(core.stats.histogram))
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = asyncio.run(collect(core, reqs))
-            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            with stopwatch() as took:
+                out = asyncio.run(collect(core, reqs))
+            dt, cpu = took.wall_s, took.cpu_s
             s = core.stats
             steps = s.steps - before[0]
             verifies, accepted = s.verifies - before[1], s.accepted_tokens - before[2]

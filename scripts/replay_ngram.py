@@ -23,13 +23,11 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import bench_engine
 
 from pipeline.draft.ngram_lookup import propose_ngram
 from pipeline.model_files import smollm2_path
 from pipeline.tokenizer import load_tokenizer
+from scripts.engine_bench.workloads import encode_prompt, load_workload
 
 
 def accepted(drafts: list[int], out: list[int], j: int) -> int:
@@ -116,8 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     for workload in args.workloads:
         run = next(r for r in runs if r["workload"] == workload and r["mode"] == "none"
                    and r["batch"] == 1 and r["engine"] == "local")
-        prompts = {q.id: bench_engine.encode_prompt(tokenizer, q.text)
-                   for q in bench_engine.load_workload(workload)}
+        prompts = {q.id: encode_prompt(tokenizer, q.text) for q in load_workload(workload)}
         pairs = [(prompts[key.split("#")[0]], out) for key, out in run["outputs"].items()]
         kept = by_match_length(pairs, args.k, args.max_n)
         print(f"{workload}: {len(pairs)} outputs; tokens {args.k} drafts keep, by match length")

@@ -90,16 +90,18 @@ def test_batch_1_modes_take_turns_request_by_request(tmp_path, monkeypatch):
 
 
 def test_the_busy_window_ends_at_the_last_submission():
-    bench = _bench_module()
-    trace = bench.Trace
+    _bench_module()  # puts the repository root on sys.path, as a run of the script does
+    from scripts.engine_bench.traces import Trace as trace
+    from scripts.engine_bench.traces import busy_window
+
     # 2 in flight: a and b at t=0; c when a ends (t=3), d when b ends (t=5)
     traces = [trace("a", 0.0, [1.0, 2.0, 3.0], [1, 2, 1], [0] * 4),
               trace("b", 0.0, [1.0, 5.0], [1, 3], [0] * 4),
               trace("c", 3.0, [4.0, 6.0], [1, 1], [0] * 2),
               trace("d", 5.0, [5.5, 9.0], [2, 2], [0] * 4)]
     # up to t=5: a's 4, b's 4, c's first 1 (t=4)
-    assert bench.busy_window(traces) == (9, 5.0)
-    assert bench.busy_window(traces[:2]) == (0, 0.0)  # one wave: submitted at once
+    assert busy_window(traces) == (9, 5.0)
+    assert busy_window(traces[:2]) == (0, 0.0)  # one wave: submitted at once
 
 
 def test_a_greedy_output_that_differs_from_the_reference_fails_the_run(tmp_path, monkeypatch):

@@ -47,6 +47,8 @@ def test_bench_replicas_runs_both_apps_and_checks_outputs(ray_cluster, capsys, t
 
 
 def test_bench_replicas_says_what_the_cluster_lacks_instead_of_waiting(ray_cluster, monkeypatch):
-    bench = load_bench(monkeypatch)
+    load_bench(monkeypatch)  # puts the repository root on sys.path, as a run of the script does
+    from scripts.replicas_bench.apps import wait_for_resources
+
     with pytest.raises(RuntimeError, match=r"9 engines need \{'CPU': 9\.0\}"):
-        bench.wait_for_resources(os.path.join(ROOT, "configs", "tiny.yaml"), {}, 9, timeout=1)
+        wait_for_resources(os.path.join(ROOT, "configs", "tiny.yaml"), {}, 9, timeout=1)
