@@ -138,6 +138,7 @@ def rss_growth(requests: int, seed: int, config: EngineConfig, use_ray: bool = F
 
     traffic = Traffic(seed)
     live: dict[str, list[int]] = {}  # rid -> output tokens still to commit
+    sizes: dict[str, list[int]] = {}  # rid -> [prompt length, outputs committed]
     release: list[str] = []
     started = finished = step = 0
     marks: dict[int, float] = {}
@@ -148,12 +149,17 @@ def rss_growth(requests: int, seed: int, config: EngineConfig, use_ray: bool = F
         for rid, rest in list(live.items()):
             plan.commits[rid] = rest[:4]
             del rest[:4]
+            sizes[rid][1] += len(plan.commits[rid])
             if rest:
+                prompt_len, outputs = sizes[rid]
                 plan.decode.append(rid)
+                plan.last_tokens.append(plan.commits[rid][-1])  # the newest, not yet in KV
+                plan.kv_lens.append(prompt_len + outputs - 1)
+                plan.num_outputs.append(outputs)
                 plan.ks.append(config.num_speculative_tokens)
             else:
                 release.append(rid)
-                del live[rid]
+                del live[rid], sizes[rid]
                 finished += 1
                 if finished % max(1, requests // 5) == 0:
                     marks[finished] = round(rss(), 1)
@@ -162,6 +168,7 @@ def rss_growth(requests: int, seed: int, config: EngineConfig, use_ray: bool = F
             rid = f"r{started}"
             plan.new.append(NewRequest(rid, prompt, GREEDY))
             live[rid] = out
+            sizes[rid] = [len(prompt), 0]
             started += 1
         propose(plan)
         step += 1

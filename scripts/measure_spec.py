@@ -73,14 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(collect(core, [(f"p-{rid}", ids, SamplingParams(max_new_tokens=1))
                                        for rid, ids, _ in reqs]))
             prefill_cpu = time.process_time() - c0
-            before = (core.stats.steps, core.stats.verifies, core.stats.accepted_tokens,
+            before = (core.stats.steps, core.stats.verify_steps, core.stats.accepted_tokens,
                       list(core.stats.histogram))
             with stopwatch() as took:
                 out = asyncio.run(collect(core, reqs))
             dt, cpu = took.wall_s, took.cpu_s
             s = core.stats
             steps = s.steps - before[0]
-            verifies, accepted = s.verifies - before[1], s.accepted_tokens - before[2]
+            verifies, accepted = s.verify_steps - before[1], s.accepted_tokens - before[2]
             tokens = sum(len(c.token_ids) for c in out.values())
             results[(draft, batch)] = [out[r[0]].token_ids for r in reqs]
             hist = [n - (before[3][i] if i < len(before[3]) else 0)
