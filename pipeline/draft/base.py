@@ -1,8 +1,6 @@
-"""The one drafting interface the engine talks to, whatever produces the drafts.
-
-Invariants: a request's sequence is its prompt plus every token `commit` gave it, in order;
-`propose` never changes it (drafts are tentative) and returns at most `ks[i]` tokens for request
-i; `commit` discards whatever was drafted beyond the accepted tokens (the rollback)."""
+"""The drafting interface. A request's sequence is its prompt plus every token `commit` gave it;
+`propose` never changes it and returns at most `ks[i]` tokens for request i; `commit` discards
+whatever was drafted beyond the accepted tokens (the rollback)."""
 
 from __future__ import annotations
 

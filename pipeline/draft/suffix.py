@@ -1,8 +1,5 @@
-"""Suffix drafting (SuffixDecoding, arXiv 2411.04975): draft what followed the longest match of
-a request's tail in its own index or in its tenant's shared index of finished outputs, whichever
-expects more accepted tokens; the confidences go out with the drafts. Tenants, eviction and the
-index: docs/suffix-drafting.md.
-"""
+"""Suffix drafting (arXiv 2411.04975): what followed the longest match of a request's tail in its
+own index or its tenant's shared index of finished outputs (docs/suffix-drafting.md)."""
 
 from __future__ import annotations
 

@@ -22,8 +22,7 @@ def _pow2(n: int) -> int:
 
 @dataclass
 class Match:
-    # confidence[j]: the share of the matched occurrences whose continuation agrees with
-    # tokens[:j+1] (non-increasing)
+    # confidence[j]: the share of the occurrences whose continuation agrees with tokens[:j+1]
     tokens: list[int] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
     match_len: int = 0

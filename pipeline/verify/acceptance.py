@@ -1,21 +1,15 @@
-"""Speculative acceptance: which drafts a verify step keeps, and the one target token it adds.
-
-Per request: the longest accepted prefix of its k_i drafts, then one target token (recovered at
-the first rejection, bonus after all k_i). Shapes: B requests, K = max k_i, V vocab; drafts
-[B, K] (ignored past num_drafts [B]), target [B, K+1, V], draft q [B, K, V] processed like p
-(None: point-mass drafts, q = one_hot(x)); tokens [B, K+1] padded with -1.
+"""Speculative acceptance: which drafts a verify step keeps, and the one target token it adds
+(recovered at the first rejection, bonus after all k_i drafts). Shapes: B requests, K = max k_i,
+V vocab; drafts [B, K] (ignored past num_drafts [B]), target [B, K+1, V], draft q [B, K, V]
+processed like p (None: point masses); tokens [B, K+1], -1 pad. Logprobs: of the raw logits.
 
 - Greedy: drafts kept while they equal the target argmax: exactly non-speculative greedy.
-- Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accept x_j with probability
-  min(1, p_j(x_j) / q_j(x_j)), else sample normalize(max(0, p_j - q_j)); lossless. An all-zero
-  residual (rounding only) falls back to p.
+- Rejection sampling (Leviathan et al. 2023): accept x_j with probability
+  min(1, p_j(x_j) / q_j(x_j)), else sample normalize(max(0, p_j - q_j)) (all zero: p).
 - Seeded rows (docs/contracts.md, *Seeds*): the target's sample at output position t is
   s_t = sample_from_weights(p_t, u_t), u_t a function of seed and position only; drafts are kept
-  while they equal s_t, so the output is s_1, s_2, ... whatever was drafted (lossless: Gumbel-max).
-  A seeded draft model draws from the same u_t, so it is accepted with probability
-  >= (1 - TV) / (1 + TV), against 1 - TV under rejection sampling.
-
-Logprobs are of the raw target logits (vLLM's default).
+  while they equal s_t, so the output is s_1, s_2, ... whatever was drafted (Gumbel-max). A
+  seeded draft model draws from the same u_t: accepted with probability >= (1 - TV) / (1 + TV).
 """
 
 from __future__ import annotations
@@ -41,8 +35,8 @@ from pipeline.sampling import (
 class AcceptanceResult:
     token_ids: Tensor
     num_tokens: Tensor  # accepted drafts + 1
-    logprobs: Tensor  # nan pad
-    top_ids: Tensor | None = None  # [B, K+1, N]
+    logprobs: Tensor
+    top_ids: Tensor | None = None
     top_values: Tensor | None = None
 
     @property
@@ -186,8 +180,7 @@ def accept_greedy_packed(
     logits: Tensor,
     num_top_logprobs: int = 0,
 ) -> AcceptanceResult:
-    """`accept` for greedy rows without grammars, on the packed logits [sum(k_i + 1), V]: no
-    [B, K+1, V] padding to compute over."""
+    """`accept` for greedy rows without grammars, on the packed logits [sum(k_i + 1), V]."""
     num_pos = draft_token_ids.shape[1]
     device = logits.device
     # numpy: as ~20 tiny torch ops this index math costs more than a small batch's acceptance
