@@ -1,4 +1,4 @@
-"""The draft stage: proposers behind one interface (`Proposer`: n-gram lookup, a draft model, none)."""
+"""The draft stage: proposers behind one interface (`Proposer`)."""
 
 from pipeline.draft.base import Proposal, Proposer
 from pipeline.draft.none import NoProposer

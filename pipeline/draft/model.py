@@ -1,12 +1,5 @@
-"""A small draft model with its own KV cache proposes k tokens autoregressively.
-
-The draft cache holds a prefix of the request's sequence (`cached` tokens) plus, after a
-propose, the drafts it fed back in. The prompt is fed chunk by chunk as the target prefills it
-(`prefill`: as many tokens a step as the target's chunk, from the draft's own cache hit on), so
-a long prompt costs the draft no longer a step than it costs the target; whatever it still
-lacks at its first propose (a smaller cache hit than the target's) is fed then. `commit` keeps the part of that cache that the accepted
-tokens confirmed, so rollback is a length update (ModelRunner.truncate), never a recompute.
-"""
+"""A draft model with its own KV cache proposes k tokens autoregressively; `commit` keeps the
+cache the accepted tokens confirm, so a rollback is a length update, never a recompute."""
 
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ class _DraftSeq:
     slot: int
     params: SamplingParams
     num_prompt: int
-    tokens: list[int]  # prompt + committed output
+    tokens: list[int]
     cached: int = 0  # tokens[:cached] are in the draft KV cache (and nothing after them)
     drafted: list[int] = field(default_factory=list)  # drafts fed into the cache past `cached`
 
@@ -40,7 +33,7 @@ class DraftModelProposer(Proposer):
         if rid in self._seqs:
             raise ValueError(f"draft: request {rid!r} already added")
         slot = self.runner.allocate()
-        cached = self.runner.attach_prefix(slot, prompt_ids)  # prefix caching: 0 when off
+        cached = self.runner.attach_prefix(slot, prompt_ids)
         self._seqs[rid] = _DraftSeq(slot, params, len(prompt_ids), list(prompt_ids), cached)
 
     def prefill(self, rids: list[str], counts: list[int]) -> None:
@@ -53,7 +46,7 @@ class DraftModelProposer(Proposer):
                 runs.append(run)
         if not seqs:
             return
-        self.runner.forward([s.slot for s in seqs], runs, last_only=True)  # KV only
+        self.runner.forward([s.slot for s in seqs], runs, last_only=True)
         for s in seqs:
             s.cached = self.runner.length(s.slot)
             self.runner.truncate(s.slot, s.cached)  # prompt tokens: committed, cacheable
@@ -62,43 +55,38 @@ class DraftModelProposer(Proposer):
         tokens: list[list[int]] = [[] for _ in rids]
         probs: list[list[torch.Tensor]] = [[] for _ in rids]
         active = [i for i, k in enumerate(ks) if k > 0]
-        # Step 0 feeds each request's uncached suffix (its whole prompt the first time);
-        # later steps feed back the previous draft, only for requests that want more.
         runs = {i: self._seqs[rids[i]].tokens[self._seqs[rids[i]].cached:] for i in active}
         depth = 0
         while active:
             seqs = [self._seqs[rids[i]] for i in active]
             logits = self.runner.forward([s.slot for s in seqs], [runs[i] for i in active])
-            last = torch.cat([lg[-1:] for lg in logits])  # [B, vocab]
+            last = torch.cat([lg[-1:] for lg in logits])
             sampling = SamplingTensors.from_params([s.params for s in seqs], last.device)
             offsets = [len(s.tokens) - s.num_prompt + depth for s in seqs]
-            # a seeded row draws from its position noise, the one the target's sample at that
-            # position uses: coupled drafts (pipeline.verify.acceptance, "Seeded rows")
+            # a seeded row draws the target's position noise (pipeline.verify.acceptance)
             picked, q = sample_tokens(last, sampling, offsets, STREAM_ACCEPT)
             for row, i in enumerate(active):
                 tokens[i].append(int(picked[row]))
                 probs[i].append(q[row].cpu())  # q travels between processes on the CPU
-            for i in active:  # what the cache now holds past `cached`
+            for i in active:
                 if depth > 0:
                     self._seqs[rids[i]].drafted.append(runs[i][0])
             depth += 1
             active = [i for i in active if len(tokens[i]) < ks[i]]
             runs = {i: [tokens[i][-1]] for i in active}
-        # Greedy drafts are point masses and seeded ones are verified by equality with the
-        # target's sample: send no q (a [k, vocab] tensor per request per step).
+        # greedy and seeded drafts are verified by equality: no q to send
         out_probs = [None if _no_q(self._seqs[rid].params) else _stack(p, self.runner.vocab_size)
                      for rid, p in zip(rids, probs)]
         return Proposal(tokens=tokens, probs=out_probs)
 
     def commit(self, rid: str, accepted: list[int]) -> None:
         s = self._seqs[rid]
-        # The cache holds tokens[:len(tokens)] minus the uncached tail, then `drafted`.
-        # Keep the longest prefix of what it holds that the new sequence agrees with.
+        # keep the longest prefix of what the cache holds that the new sequence agrees with
         held = self.runner.length(s.slot)
         old_len = len(s.tokens)
         s.tokens.extend(accepted)
         keep = min(held, old_len)
-        if held > old_len:  # the cache reached past the old sequence: the fed drafts
+        if held > old_len:
             for d, a in zip(s.drafted, accepted):
                 if d != a:
                     break

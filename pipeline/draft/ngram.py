@@ -1,5 +1,4 @@
-"""Prompt lookup: draft the tokens that followed the latest earlier match of the sequence's tail
-(over prompt + output), which pays off when the output copies from the prompt."""
+"""Prompt lookup: draft what followed the latest earlier match of the sequence's tail."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class NgramProposer(Proposer):
 
 
 class _TokenBuffer:
-    """A growable int64 array, so each lookup sees the sequence without a list -> array copy."""
-
+    # a growable array, so a lookup needs no list -> array copy
     def __init__(self, tokens: list[int]) -> None:
         self._buf = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
         self._len = 0

@@ -17,10 +17,8 @@ from pipeline.protocol import StepPlan
 
 def draft_step(proposer: Proposer, plan: StepPlan,
                grammars: GrammarTracker | None = None) -> Proposal:
-    """Release finished requests, add new ones, commit last step's tokens, follow the prefill
-    chunks, draft this step's;
-    with `grammars`, each constrained request's drafts end before the first token its grammar
-    rejects (so the verifier, the adaptive k and `draft_tokens` see only drafts that can count)."""
+    """Apply `plan` to the proposer, then draft; with `grammars`, drafts end before the first
+    token a request's grammar rejects."""
     if grammars is not None:
         grammars.apply(plan)
     for rid in plan.release:
@@ -30,17 +28,16 @@ def draft_step(proposer: Proposer, plan: StepPlan,
     for rid, tokens in plan.commits.items():
         proposer.commit(rid, tokens)
     chunks = [len(n.prompt_ids) if n.chunk is None else n.chunk for n in plan.new]
-    if chunks or plan.prefills:  # the target's prefill chunks, for a draft model's own KV
+    if chunks or plan.prefills:
         proposer.prefill([n.rid for n in plan.new] + plan.prefills,
                          chunks + [e - s for s, e in zip(plan.prefill_starts, plan.prefill_ends)])
     start = time.perf_counter()
     if proposer.scores_drafts and plan.min_gains:
-        # drafts up to the step's bound, kept by score; a floor above 1 no confidence can
-        # reach: no lookup (at a large batch, none at all)
+        # a floor above 1 no confidence can reach: no lookup
         asks = [0 if floor > 1.0 else b for b, floor in zip(plan.draft_bounds, plan.min_gains)]
         proposal = proposer.propose(plan.decode, asks)
         _cut(proposal, keep_confident(proposal, plan.min_gains))
-    else:  # exactly the controller's choice
+    else:
         proposal = proposer.propose(plan.decode, plan.ks)
     if grammars:
         _cut(proposal, grammars.cut(plan.decode, proposal.tokens))
@@ -49,16 +46,13 @@ def draft_step(proposer: Proposer, plan: StepPlan,
 
 
 def reset_draft(proposer: Proposer, grammars: GrammarTracker | None = None) -> None:
-    """Forget every request the draft side knows (the engine failed them all): the next plan
-    may register any of their ids again."""
     proposer.reset()
     if grammars is not None:
         grammars.reset()
 
 
 def keep_confident(proposal: Proposal, min_gains: list[float]) -> list[list[int]]:
-    """Each request's drafts up to the last one whose confidence is at least its floor
-    (confidence never grows along a draft, so this is a prefix)."""
+    """Each request's drafts while their confidence (never growing) is at least its floor."""
     if proposal.confidence is None:
         return proposal.tokens
     out = []
@@ -71,7 +65,6 @@ def keep_confident(proposal: Proposal, min_gains: list[float]) -> list[list[int]
 
 
 def _cut(proposal: Proposal, tokens: list[list[int]]) -> None:
-    """Shorten the proposal to `tokens` (prefixes of its drafts), with its probs and confidence."""
     proposal.tokens = tokens
     if proposal.probs is not None:
         proposal.probs = [p if p is None else p[: len(t)] for p, t in zip(proposal.probs, tokens)]
@@ -80,7 +73,6 @@ def _cut(proposal: Proposal, tokens: list[list[int]]) -> None:
 
 
 def build_proposer(config: EngineConfig) -> Proposer:
-    """The proposer the config's `draft` kind names (one table, no branching in the loop)."""
     return _BUILDERS[config.draft](config)
 
 

@@ -1,30 +1,5 @@
-"""Suffix drafting (SuffixDecoding, arXiv 2411.04975): match the longest suffix of a request's
-sequence in two indexes and draft what followed it, for as long as it keeps following it often.
-
-- the request's own index over its prompt + output (copies within the request);
-- its tenant's shared index over the outputs of that tenant's last `global_requests` finished
-  requests, at most `global_tokens` tokens (traffic that repeats across requests: the same file
-  rewritten, the same tool-call JSON). A finished request enters it when the plan releases the
-  request, from the tokens this proposer already holds, so no message carries extra data. Each
-  output is stored after the last `max_depth` tokens of its prompt, so the first output tokens
-  can be matched too.
-
-Tenants (NewRequest.tenant: a hash of the API key and `user`): by default each tenant has its
-own shared index, so what one tenant sent never shapes another's drafts, and so never its
-`draft_tokens` or acceptance (a shared index let a tenant read another's prompts through them:
-docs/suffix-drafting.md). `share_across_tenants` pools every tenant into one index. The tenant
-indexes together hold at most `global_tokens` tokens and `max_tenants` indexes: past either, the
-least recently used tenant's index is dropped whole (what crosses tenants is that pressure,
-never content). An index grows with what it holds, so an idle tenant costs little memory.
-
-Of the two candidate drafts the one with the higher expected accepted length (sum of its
-per-position confidences) is proposed; the confidences go out with it (`Proposal.confidence`)
-for a controller that decides how many drafts to verify.
-
-Not ArcticInference's suffix tree (PyPI arctic-inference 0.3.0): it ships only an sdist whose
-build requires torch>=2.10 (an isolated build pulls a CUDA torch; our GPU set pins torch 2.4.0)
-and imports torch in setup.py; its C++ tree alone does build with nanobind. Hence numpy here.
-"""
+"""Suffix drafting (arXiv 2411.04975): what followed the longest match of a request's tail in its
+own index or its tenant's shared index of finished outputs (docs/suffix-drafting.md)."""
 
 from __future__ import annotations
 
@@ -38,24 +13,24 @@ from pipeline.params import SamplingParams
 
 @dataclass
 class SuffixSettings:
-    max_depth: int = 32  # longest context suffix matched
-    min_score: float = 0.1  # stop drafting where confidence falls below this
-    spec_factor: float = 1.0  # at most spec_factor * matched length drafts
-    global_requests: int = 1000  # finished outputs kept in the global index
-    global_tokens: int = 262_144  # and at most this many tokens
-    max_model_len: int = 2048  # caps a request's own index
-    share_across_tenants: bool = False  # one shared index for every tenant (see the docstring)
-    max_tenants: int = 64  # tenant indexes kept at once
+    max_depth: int = 32
+    min_score: float = 0.1
+    spec_factor: float = 1.0
+    global_requests: int = 1000
+    global_tokens: int = 262_144
+    max_model_len: int = 2048
+    share_across_tenants: bool = False
+    max_tenants: int = 64
 
 
 @dataclass
 class _Request:
-    index: TokenIndex  # prompt + committed output
+    index: TokenIndex
     num_prompt: int
-    tenant: str  # its partition of the shared indexes
+    tenant: str
 
 
-_INITIAL_SLOTS = 1024  # a new tenant index's ring (it doubles as it fills)
+_INITIAL_SLOTS = 1024  # a new tenant index's ring; it doubles as it fills
 
 
 class SuffixProposer(Proposer):
@@ -63,12 +38,10 @@ class SuffixProposer(Proposer):
 
     def __init__(self, settings: SuffixSettings) -> None:
         self.settings = settings
-        # tenant -> its shared index, least recently used first
-        self._shared: OrderedDict[str, TokenIndex] = OrderedDict()
+        self._shared: OrderedDict[str, TokenIndex] = OrderedDict()  # LRU first
         self._seqs: dict[str, _Request] = {}
 
     def shared_index(self, tenant: str = "") -> TokenIndex:
-        """The shared index `tenant`'s requests draft from and feed (made on first use)."""
         key = "" if self.settings.share_across_tenants else tenant
         index = self._shared.get(key)
         if index is None:
@@ -81,7 +54,6 @@ class SuffixProposer(Proposer):
 
     @property
     def global_index(self) -> TokenIndex:
-        """The anonymous tenant's shared index (every tenant's, when shared)."""
         return self.shared_index("")
 
     @property
@@ -90,7 +62,7 @@ class SuffixProposer(Proposer):
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
             tenant: str = "") -> None:
-        # sized for the whole sequence, so it never evicts (a longer one would only forget)
+        # sized for the whole sequence, so it never evicts
         size = min(len(prompt_ids) + params.max_new_tokens, self.settings.max_model_len) + 1
         index = TokenIndex(size, self.settings.max_depth)
         index.extend(prompt_ids)
@@ -107,7 +79,7 @@ class SuffixProposer(Proposer):
 
     def finish(self, rid: str, tokens: list[int]) -> None:
         req = self._seqs.get(rid)
-        if req is not None and tokens:  # the global index learns the whole output
+        if req is not None and tokens:
             req.index.extend(tokens[: req.index.capacity - req.index.end])
         self.remove(rid)
 
@@ -116,7 +88,7 @@ class SuffixProposer(Proposer):
 
     def remove(self, rid: str) -> None:
         req = self._seqs.pop(rid, None)
-        if req is None or req.index.end == req.num_prompt:  # nothing generated: nothing to learn
+        if req is None or req.index.end == req.num_prompt:
             return
         start = max(0, req.num_prompt - self.settings.max_depth)
         shared = self.shared_index(req.tenant)
@@ -125,7 +97,6 @@ class SuffixProposer(Proposer):
         self._evict()
 
     def _evict(self) -> None:
-        """Drop the least recently used tenant indexes past the budget (the newest stays)."""
         s = self.settings
         while len(self._shared) > 1 and (
                 len(self._shared) > s.max_tenants
@@ -139,7 +110,7 @@ class SuffixProposer(Proposer):
         mine = own.match(context, k, s.min_score, s.spec_factor, exclude_last=True)
         key = "" if s.share_across_tenants else req.tenant
         index = self._shared.get(key)
-        if index is None:  # nothing of this tenant's finished yet
+        if index is None:
             return mine
         self._shared.move_to_end(key)
         shared = index.match(context, k, s.min_score, s.spec_factor)

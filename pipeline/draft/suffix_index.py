@@ -1,22 +1,6 @@
-"""A bounded token index that answers "what followed the longest earlier match of this context,
-and how often" (the lookup behind suffix drafting, arXiv 2411.04975).
-
-Layout, after the hash chains of LZ77 compressors (zlib's `head`/`prev`): tokens live in a ring
-of `capacity` slots addressed by an absolute position that only grows; for each anchor length
-`a` in ANCHORS, `head[bucket]` holds the newest position whose last `a` tokens hash to `bucket`
-and `prev[pos]` the next older one, so a lookup walks newest -> oldest and stops at the first
-evicted position. No per-token Python objects: the ring starts at `initial` slots and doubles
-(re-linking what it holds, amortised O(1) a token) until it holds `capacity`, then stays; an
-insert costs O(len(tokens) * len(ANCHORS)) vectorised, and eviction is moving `oldest`.
-
-Why not a suffix tree or automaton: in Python every node is an object (~100+ bytes per token at
-1M tokens, and a deep tree per insert); the chains keep a lookup to a few small numpy ops and the
-memory to ~4 + 16 * len(ANCHORS) bytes per token of capacity. What they give up is exactness for
-very frequent contexts: only the newest `max_candidates` occurrences of an anchor are examined.
-
-Runs (one finished request each in the global index) are separated by SEPARATOR, so neither a
-match nor a continuation crosses from one run into the next; `max_runs` evicts whole old runs.
-"""
+"""A bounded token index: what followed the longest earlier match of a context, and how often.
+A ring of token slots with zlib-style hash chains per anchor length (`head[bucket]`: the newest
+position hashing there, `prev[pos]`: the next older one); docs/suffix-drafting.md."""
 
 from __future__ import annotations
 
@@ -25,54 +9,47 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-ANCHORS = (8, 3, 1)  # anchor lengths, tried longest first: a rare long match beats a recent short
-SEPARATOR = -1  # between runs; never a token id, so it matches no context
-_MULT = 0x9E3779B97F4A7C15  # Fibonacci hashing multiplier (odd, well mixed), mod 2**64
+ANCHORS = (8, 3, 1)  # tried longest first: a rare long match beats a recent short one
+SEPARATOR = -1  # never a token id, so it matches no context
+_MULT = 0x9E3779B97F4A7C15  # Fibonacci hashing, mod 2**64
 _M64 = (1 << 64) - 1
 _SMALL = 16  # chunks up to this long are linked in plain Python: numpy's per-call cost dominates
 
 
 def _pow2(n: int) -> int:
-    """The least power of two >= n (and >= 2)."""
     return 1 << max(n - 1, 1).bit_length()
 
 
 @dataclass
 class Match:
-    """A draft read off the index. `confidence[j]` = (occurrences of the matched context whose
-    continuation agrees with tokens[:j+1]) / (occurrences of the matched context): the
-    frequency estimate that drafts 0..j are all accepted. Non-increasing."""
-
+    # confidence[j]: the share of the occurrences whose continuation agrees with tokens[:j+1]
     tokens: list[int] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
-    match_len: int = 0  # how many context tokens the occurrences matched
+    match_len: int = 0
     occurrences: int = 0
 
     @property
     def score(self) -> float:
-        """Expected accepted drafts under the frequency estimate."""
         return float(sum(self.confidence))
 
 
 class TokenIndex:
     def __init__(self, capacity: int, max_depth: int = 32, max_candidates: int = 64,
                  max_runs: int | None = None, initial: int | None = None) -> None:
-        """`initial`: slots to start with (None: all of `capacity` at once)."""
         if capacity < 1 or max_depth < 1 or max_candidates < 1:
             raise ValueError("TokenIndex: capacity, max_depth and max_candidates must be >= 1")
         self.capacity = capacity
         self.max_depth = max_depth
         self.max_candidates = max_candidates
         self.max_runs = max_runs
-        self._max_slots = _pow2(capacity)  # ring size at capacity: a power of two >= it
+        self._max_slots = _pow2(capacity)
         self._alloc(self._max_slots if initial is None else min(_pow2(initial), self._max_slots))
-        self.end = 0  # absolute position one past the newest token
-        self.oldest = 0  # absolute position of the oldest live token
-        self._runs: deque[int] = deque()  # start position of each live run, oldest first
-        self._open = False  # the newest run still takes tokens
+        self.end = 0
+        self.oldest = 0
+        self._runs: deque[int] = deque()
+        self._open = False
 
     def __len__(self) -> int:
-        """Live tokens (separators included): never more than `capacity`."""
         return self.end - self.oldest
 
     @property
@@ -92,8 +69,7 @@ class TokenIndex:
         self._prev = {a: np.full(slots, -1, dtype=np.int64) for a in ANCHORS}
 
     def _reserve(self, live: int) -> None:
-        """Grow the ring (doubling, at most to capacity) until it holds `live` tokens: the live
-        tokens move to their new slots and every chain is rebuilt (buckets depend on the size)."""
+        # growing moves every token and rebuilds every chain: buckets depend on the size
         slots = self._mask + 1
         if live <= slots:
             return
@@ -105,9 +81,7 @@ class TokenIndex:
         for a in ANCHORS:
             self._link(a, self.oldest)
 
-    # --- writing ----------------------------------------------------------------------------
     def extend(self, tokens: list[int] | np.ndarray) -> None:
-        """Append tokens to the newest run (evicting the oldest tokens past `capacity`)."""
         new = np.asarray(tokens, dtype=np.int32).reshape(-1)[-self.capacity:]
         if new.size == 0:
             return
@@ -118,14 +92,13 @@ class TokenIndex:
         start, self.end = self.end, self.end + new.size
         self._buf[np.arange(start, self.end) & self._mask] = new
         self._evict(self.end - self.capacity)
-        if new.size <= _SMALL:  # a decode step's commit
+        if new.size <= _SMALL:
             self._link_small(start)
             return
         for a in ANCHORS:
             self._link(a, start)
 
     def end_run(self) -> None:
-        """Close the newest run with a separator; evict whole runs past `max_runs`."""
         if not self._open:
             return
         self.extend([SEPARATOR])
@@ -136,7 +109,6 @@ class TokenIndex:
                 self._evict(self._runs[0])
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        """Live tokens at absolute positions [start, stop)."""
         start = max(start, self.oldest)
         return self._buf[np.arange(start, max(start, stop)) & self._mask].astype(np.int64)
 
@@ -146,7 +118,6 @@ class TokenIndex:
             self._runs.popleft()
 
     def _link(self, a: int, start: int) -> None:
-        """Chain positions [start, end) whose last `a` tokens are live and separator-free."""
         pos = np.arange(max(start, self.oldest + a - 1), self.end, dtype=np.int64)
         if pos.size == 0:
             return
@@ -167,7 +138,6 @@ class TokenIndex:
         self._head[a][b[last]] = p[last]
 
     def _link_small(self, start: int) -> None:
-        """_link for every anchor, one position at a time (same chains, same buckets)."""
         first = max(start - max(ANCHORS) + 1, self.oldest)
         window = self._buf[np.arange(first, self.end) & self._mask].tolist()
         for pos in range(max(start, self.oldest), self.end):
@@ -180,7 +150,6 @@ class TokenIndex:
                 self._head[a][bucket] = pos
 
     def _bucket(self, grams: np.ndarray) -> np.ndarray:
-        """[n, a] token grams (newest token first) -> [n] bucket ids."""
         h = np.zeros(grams.shape[0], dtype=np.uint64)
         mult = np.uint64(_MULT)
         for col in grams.T.astype(np.uint64):
@@ -188,22 +157,16 @@ class TokenIndex:
         return (h >> np.uint64(64 - self._bits)).astype(np.int64)
 
     def _bucket_of(self, gram: list[int]) -> int:
-        """One gram (oldest token first) -> its bucket, as `_bucket` computes it."""
         h = 0
         for t in reversed(gram):
             h = ((h ^ t) * _MULT) & _M64
         return h >> (64 - self._bits)
 
-    # --- reading ----------------------------------------------------------------------------
     def match(self, context: np.ndarray, max_tokens: int, min_score: float = 0.0,
               spec_factor: float = 1.0, exclude_last: bool = False) -> Match:
-        """The draft continuing `context` ([n] token ids, newest last): find the occurrences of
-        its longest suffix (up to `max_depth`) among the newest `max_candidates` occurrences
-        of its longest anchor, then follow their continuations, taking the most frequent
-        token at each position, while the confidence stays >= `min_score`. At most
-        `max_tokens` and `spec_factor * match_len` tokens (a short match earns a short draft).
-        `exclude_last`: skip the occurrence ending at the newest position (the context itself,
-        when the context is this index's own tail)."""
+        """The most frequent continuation of the longest match of `context` among the newest
+        `max_candidates` occurrences of its longest anchor, while confidence >= `min_score`;
+        at most `spec_factor * match_len` tokens. `exclude_last`: skip the context itself."""
         context = np.asarray(context, dtype=np.int64)[-self.max_depth:]
         for a in ANCHORS:
             if a > context.size:
@@ -212,11 +175,11 @@ class TokenIndex:
             if cands.size == 0:
                 continue
             lens = self._match_lens(cands, context)
-            true = lens >= a  # a different gram in the same bucket matches less than a
+            true = lens >= a  # another gram in the same bucket matches less than a
             if not true.any():
                 continue
             best = int(lens[true].max())
-            occ = cands[lens == best]  # newest first
+            occ = cands[lens == best]
             limit = min(max_tokens, int(spec_factor * best))
             tokens, conf = self._follow(occ, limit, min_score)
             return Match(tokens, conf, best, int(occ.size))
@@ -233,8 +196,7 @@ class TokenIndex:
         return np.asarray(out, dtype=np.int64)
 
     def _match_lens(self, cands: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """[m] how many tokens ending at each candidate equal the context's tail."""
-        back = cands[:, None] - np.arange(context.size)  # [m, n] positions, newest first
+        back = cands[:, None] - np.arange(context.size)
         same = (self._buf[back & self._mask] == context[::-1]) & (back >= self.oldest)
         return np.cumprod(same, axis=1).sum(axis=1)
 
@@ -242,7 +204,7 @@ class TokenIndex:
                 ) -> tuple[list[int], list[float]]:
         if limit <= 0:
             return [], []
-        ahead = occ[:, None] + 1 + np.arange(limit)  # [m, limit]
+        ahead = occ[:, None] + 1 + np.arange(limit)
         cont = self._buf[ahead & self._mask].astype(np.int64)
         valid = np.cumprod((ahead < self.end) & (cont >= 0), axis=1).astype(bool)
         total = occ.size

@@ -1,7 +1,4 @@
-"""The whole engine in one process (no Ray): the step loop over local stage objects.
-
-Used by fast tests and benchmarks; TP needs one process per rank, so it is Ray-only.
-"""
+"""The whole engine in one process (no Ray, so one rank): the step loop over local stages."""
 
 from __future__ import annotations
 
@@ -25,31 +22,23 @@ from pipeline.verify.verifier import Verifier
 
 
 class LocalStages:
-    """Stages as plain objects: a proposer, a single-rank verifier and an output processor."""
-
     def __init__(self, proposer: Proposer, verifier: Verifier, output: Any) -> None:
         self.proposer = proposer
         self.verifier = verifier
         self.output = output
-        # The draft stage's own grammar matchers (as the draft actor keeps them under Ray).
         self.grammars = GrammarTracker(lambda: verifier.runner.tokenizer)
 
     async def add_request(self, req: NewRequest, traceparent: str | None) -> None:
         self.output.add_request(req.rid, req.prompt_ids, req.params)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
-        # In a worker thread, as a Ray actor's step runs in its own process: run on the event
-        # loop, a step blocked it for the whole forward, and a client reacting to a finish (a
-        # closed-loop batch client, one awaiting a stream) could queue its next request only a
-        # few steps later. Requests that end at different steps (any drafting) then left their
-        # slots empty for those steps: chat at batch 8 ran ~45 of its 258 steps a wave at batch
-        # 3-7, where target-only's requests, ending together, ran every step full.
+        # off the event loop, as an actor's step is: a client must be able to queue its next
+        # request during the forward, or its slot runs empty for steps
         return await asyncio.to_thread(self.step, plan)
 
     def step(self, plan: StepPlan) -> StepOutcome:
-        """Draft and verify one step (in the calling thread)."""
         outcome = self.verifier.step(plan, draft_step(self.proposer, plan, self.grammars))
-        assert outcome is not None  # a driver verifier always returns one
+        assert outcome is not None
         return outcome
 
     async def process(self, payload: bytes) -> list[RequestOutput]:
@@ -68,10 +57,7 @@ def make_output_processor(tokenizer: Any, eos_token_ids: list[int]) -> Any:
 
 def build_local_engine(config: EngineConfig, runner: Any = None, proposer: Proposer | None = None,
                        stages_type: type[LocalStages] = LocalStages) -> EngineCore:
-    """An EngineCore over in-process stages (tensor_parallel_size must be 1), the one wiring of
-    the in-process engine (tests, benchmarks). `runner` reuses a loaded target (its slots must be
-    free; engines sharing it must not run at the same time); `proposer` replaces the one the
-    config names; `stages_type` a LocalStages subclass (a benchmark's timed stages)."""
+    """`runner` reuses a loaded target (its slots free; engines sharing it never run at once)."""
     if config.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: the in-process engine runs one rank; use Ray")
     set_memory_budget(config.grammar_memory_mb << 20)
@@ -83,22 +69,17 @@ def build_local_engine(config: EngineConfig, runner: Any = None, proposer: Propo
 
 async def collect(core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]]
                   ) -> dict[str, Completion]:
-    """Submit all requests, run until each finished, fold their deltas."""
-
     async def one(rid: str, prompt: list[int], params: SamplingParams) -> Completion:
         stream = await core.add_request(EngineCall(rid, prompt, params))
         return Completion.fold([d async for d in stream])
 
     core.start()
     results = await asyncio.gather(*(one(*r) for r in requests))
-    await core.idle()  # the finished requests' slots freed: the runner may serve another engine
+    await core.idle()  # slots freed: the runner may serve another engine
     return {c.rid: c for c in results}
 
 
 class LocalEngineClient:
-    """The front end's engine API (pipeline.frontend.app's `engine_client`: generate, abort,
-    stats, health, model_info) over an in-process EngineCore on the caller's event loop: the
-    HTTP app without Ray (tests, benchmarks)."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core

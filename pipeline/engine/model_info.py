@@ -1,5 +1,4 @@
-"""What an engine says about its model (`model_info()`): read once by the front end
-(pipeline.frontend.app.ModelInfo) and by batch jobs."""
+"""What an engine says about its model (`model_info()`), for the front end and batch jobs."""
 
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ from pipeline.config import EngineConfig
 
 
 def model_info(config: EngineConfig, loaded: Mapping[str, Any]) -> dict[str, Any]:
-    """From the config and what the stage actors reported once loaded (`vocab_size`,
-    `eos_token_ids`; empty before the first build: those two are then None and [])."""
     return {
         "name": config.served_name,
         "source": config.model,

@@ -1,11 +1,5 @@
-"""What an engine's stage actors need from the cluster, as plain data: the resources of each stage
-(actors/engine.py turns them into Ray actor options and one placement group), the same in words
-for start-up messages, and the names of the stages' placement groups. No Ray here.
-
-One verifier per tensor-parallel rank, each in its own bundle of a placement group (one CPU, and
-one GPU on cuda); the draft actor takes a GPU only for a draft model on cuda; the output and
-engine actors take no CPU or GPU, only the custom resources `placement:` gives them.
-"""
+"""What an engine's stage actors need from the cluster, as plain data (actors/engine.py turns it
+into Ray options), and the names of their placement groups."""
 
 from __future__ import annotations
 
@@ -20,16 +14,15 @@ GROUP_PREFIX = "specrelay-stages"
 
 @dataclass(frozen=True)
 class StageResources:
-    verifier_strategy: str  # the placement group's strategy (PACK, STRICT_PACK, ...)
-    verifier_bundles: list[dict[str, float]]  # one per TP rank
-    verifier_gpus: int  # per rank
+    verifier_strategy: str
+    verifier_bundles: list[dict[str, float]]
+    verifier_gpus: int
     draft_gpus: int
     draft_resources: dict[str, float]
     output_resources: dict[str, float]
     engine_resources: dict[str, float]
 
     def describe(self) -> str:
-        """In words, for start-up messages and the start timeout's error."""
         return (f"a {self.verifier_strategy} placement group of {len(self.verifier_bundles)} "
                 f"bundle(s) {self.verifier_bundles} for the verifier ranks, a draft actor "
                 f"(GPU: {self.draft_gpus}, {self.draft_resources or 'no custom resources'}), "
@@ -52,23 +45,19 @@ def stage_resources(config: EngineConfig) -> StageResources:
 
 
 def engine_needs(config: EngineConfig) -> str:
-    """The cluster resources an engine waits for, in words (for start-up messages)."""
     return stage_resources(config).describe()
 
 
 def stage_group_prefix(engine_id: str) -> str:
-    """The name of every stage placement group of the Engine actor `engine_id`, but its build."""
     return f"{GROUP_PREFIX}:{engine_id}:"
 
 
 def stage_group_name(engine_id: str, build: int) -> str:
-    """Each (re)build's group has a name of its own: a rebuild never waits on the old one's."""
+    # a name per (re)build: a rebuild never waits on the old group
     return f"{stage_group_prefix(engine_id)}{build}"
 
 
 def live_stage_groups(table: Mapping[str, Mapping[str, Any]], engine_id: str) -> list[str]:
-    """The ids of the groups in `table` (Ray's placement_group_table: id -> row with `name` and
-    `state`) that the Engine actor `engine_id` made and that are not removed yet."""
     prefix = stage_group_prefix(engine_id)
     return [pg_id for pg_id, row in table.items()
             if row["name"].startswith(prefix) and row["state"] != "REMOVED"]
