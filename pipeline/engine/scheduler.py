@@ -25,14 +25,14 @@ __all__ = ["EngineRequest", "Scheduler", "Status"]
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_waiting: int, max_model_len: int,
+    def __init__(self, max_running: int, max_waiting: int, max_model_len: int,
                  num_speculative_tokens: int,
                  vocab_size: int, reserved_slots: int = 0,
                  spec: SpecController | None = None, reserved_waiting: int = 0,
                  num_blocks: int | None = None, block_size: int = 16,
                  token_budget: int | None = None) -> None:
-        # the config's num_seqs: every stage has this many sequence slots
-        self.num_slots = num_slots
+        # the config's num_seqs (the stats' "num_slots"): every stage has this many slots
+        self.max_running = max_running
         self.token_budget = token_budget  # max_num_batched_tokens; None: no budget
         self.blocks = BlockBudget(num_blocks, block_size, max_model_len, num_speculative_tokens)
         self.preemptions = 0
@@ -43,7 +43,7 @@ class Scheduler:
         self.spec = spec or SpecController(SpecSettings("fixed", num_speculative_tokens))
         self.vocab_size = vocab_size
         # a lone request can always run
-        self.waiting = FairQueue(min(reserved_slots, num_slots - 1))
+        self.waiting = FairQueue(min(reserved_slots, max_running - 1))
         self.running: dict[str, EngineRequest] = {}
         self._held: Counter[str] = Counter()  # running slots per group
         self._release: list[str] = []
@@ -229,7 +229,7 @@ class Scheduler:
 
     @property
     def free_slots(self) -> int:
-        return self.num_slots - len(self.running)
+        return self.max_running - len(self.running)
 
     @property
     def blocks_used(self) -> int:

@@ -80,7 +80,7 @@ class EngineStats:
 def scheduler_view(scheduler: Any) -> dict[str, Any]:
     """A Scheduler's occupancy as the engine's stats answer names it."""
     return {
-        "num_slots": scheduler.num_slots, "free_slots": scheduler.free_slots,
+        "num_slots": scheduler.max_running, "free_slots": scheduler.free_slots,
         "kv_blocks": scheduler.num_blocks, "kv_blocks_used": scheduler.blocks_used,
         "preemptions": scheduler.preemptions, "running": len(scheduler.running),
         "waiting": len(scheduler.waiting), "max_waiting": scheduler.max_waiting,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,6 +34,18 @@ from pipeline.sampling import SamplingTensors
 from pipeline.verify.acceptance import AcceptanceResult, accept, accept_greedy_packed
 
 
+@dataclass
+class _Request:
+    """What the verifier holds of one request, from its admission to its release."""
+
+    slot: int
+    params: SamplingParams
+    prompt_ids: list[int]  # what its admission prefills (a resumed one's output included)
+    num_output: int  # its first token's output position
+    hit: int = 0  # its prefix-cache hit, reported with that first token
+    prefilling: bool = True  # the chunk that ends its prompt has not run yet
+
+
 class Verifier:
     def __init__(self, runner: ModelRunner, driver: bool = True,
                  generator: torch.Generator | None = None,
@@ -44,36 +57,24 @@ class Verifier:
         self.generator = generator
         self.agree = agree
         self.kv_digest = b""  # after the last step (RankReport / StepOutcome.kv_digest)
-        self._slots: dict[str, int] = {}
-        self._params: dict[str, SamplingParams] = {}
-        # chunked prefills under way: prompt ids and output so far (a resumed request's), until
-        # the chunk that ends the prompt; then its output position until that step's acceptance
-        self._prefilling: dict[str, tuple[list[int], int]] = {}
-        self._num_output: dict[str, int] = {}
-        self._hits: dict[str, int] = {}  # per prefill under way: its prefix-cache hit (spans)
+        self._requests: dict[str, _Request] = {}
         # The driver's grammar matchers mask the logits of constrained requests (the tokenizer
         # is only needed once one arrives).
         self.grammars = GrammarTracker(lambda: runner.tokenizer)
 
     def release(self, rids: list[str]) -> None:
         for rid in rids:
-            slot = self._slots.pop(rid, None)
-            self._params.pop(rid, None)
-            self._prefilling.pop(rid, None)
-            self._num_output.pop(rid, None)
-            self._hits.pop(rid, None)
-            if slot is not None:
-                self.runner.free(slot)
+            req = self._requests.pop(rid, None)
+            if req is not None:
+                self.runner.free(req.slot)
 
     def reset(self) -> int:
         """Release every request (the engine failed them all; a new scheduler starts with every
         slot free); the prefix cache stays (its KV is a function of the tokens alone). Returns
         how many requests it held. Every rank resets in the same order: their block managers
         stay identical."""
-        rids = list(dict.fromkeys([*self._slots, *self._prefilling, *self._params]))
+        rids = list(self._requests)
         self.release(rids)
-        self._num_output.clear()
-        self._hits.clear()
         self.grammars.reset()
         self.kv_digest = self.runner.cache.digest()
         return len(rids)
@@ -87,26 +88,21 @@ class Verifier:
                                                   plan.prefill_ends)]
         cached, chunks = [], []  # chunks: (rid, prompt ids, start, end) in forward order
         for new in plan.new:
-            if new.rid in self._slots:
+            if new.rid in self._requests:
                 raise ValueError(f"verifier: request {new.rid!r} is already running")
-            slot = self._slots[new.rid] = self.runner.allocate()
-            self._params[new.rid] = new.params
-            hit = self.runner.attach_prefix(slot, new.prompt_ids)
+            req = self._requests[new.rid] = _Request(self.runner.allocate(), new.params,
+                                                     new.prompt_ids, new.num_output)
+            req.hit = hit = self.runner.attach_prefix(req.slot, new.prompt_ids)
             cached.append(hit)
-            self._hits[new.rid] = hit
             end = len(new.prompt_ids) if new.chunk is None else min(len(new.prompt_ids),
                                                                      hit + new.chunk)
             chunks.append((new.rid, new.prompt_ids, hit, end))
-            if end < len(new.prompt_ids):  # the rest comes in later plans' `prefills`
-                self._prefilling[new.rid] = (new.prompt_ids, new.num_output)
-            else:
-                self._num_output[new.rid] = new.num_output
         if plan.new and self.agree is not None:  # the hits set this forward's shapes
             self.agree(self.runner.cache.digest(), f"step {plan.step}'s prefix-cache hits")
-        for rid, ids, _, end in more:
-            if end == len(ids):  # its last chunk: the token's output position, until acceptance
-                self._num_output[rid] = self._prefilling.pop(rid)[1]
         chunks += more
+        for rid, ids, _, end in chunks:
+            if end == len(ids):
+                self._requests[rid].prefilling = False
         if self.driver:
             self.grammars.apply(plan)
         if not plan.rids:  # a release-only plan
@@ -118,8 +114,9 @@ class Verifier:
         self.kv_digest = self.runner.cache.digest()
         # a prefill yields its first token only from the chunk that ends its prompt
         done = [i for i, (_, ids, _, end) in enumerate(chunks) if end == len(ids)]
-        positions = [self._num_output.pop(chunks[i][0]) for i in done] + list(plan.num_outputs)
-        hits = [self._hits.pop(chunks[i][0]) for i in done]
+        ended = [self._requests[chunks[i][0]] for i in done]
+        positions = [r.num_output for r in ended] + list(plan.num_outputs)
+        hits = [r.hit for r in ended]
         if not self.driver:
             return None
         start = time.perf_counter()
@@ -127,7 +124,7 @@ class Verifier:
         if len(done) < len(chunks):  # drop the rows of chunks that did not end their prompts
             keep = done + list(range(len(chunks), logits.shape[0]))
             logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-        params = [self._params[rid] for rid in rids]
+        params = [self._requests[rid].params for rid in rids]
         all_drafts = [[] for _ in done] + drafts
         outcome = StepOutcome(plan.step, [], [], [], cached=cached)
         if rids:
@@ -154,10 +151,11 @@ class Verifier:
 
     def _next_chunk(self, rid: str, start: int, end: int) -> tuple[str, list[int], int, int]:
         """A continuing prefill's chunk [start, end), checked against what this rank holds."""
-        if rid not in self._prefilling:
+        req = self._requests.get(rid)
+        if req is None or not req.prefilling:
             raise ValueError(f"verifier: request {rid!r} has no prefill under way")
-        ids = self._prefilling[rid][0]
-        held = self.runner.length(self._slots[rid])
+        ids = req.prompt_ids
+        held = self.runner.length(req.slot)
         if start != held or end > len(ids):
             raise ValueError(f"verifier: chunk [{start}, {end}) of {rid!r} does not continue "
                              f"its prefill ({held} of {len(ids)} tokens computed)")
@@ -180,9 +178,9 @@ class Verifier:
         read once, ~60 ms of SmolLM2 on one CPU thread) is paid once a step, not again for each
         step that admits a request (at batch 8, requests that end at different steps are
         admitted one at a time)."""
-        slots = [self._slots[rid] for rid, _, _, _ in chunks]
+        slots = [self._requests[rid].slot for rid, _, _, _ in chunks]
         runs = [ids[start:end] for _, ids, start, end in chunks]  # past the cached prefix
-        decode_slots = [self._slots[rid] for rid in plan.decode]
+        decode_slots = [self._requests[rid].slot for rid in plan.decode]
         for slot, kv_len in zip(decode_slots, plan.kv_lens):
             self.runner.truncate(slot, kv_len)  # lazy commit of the previous step
         slots += decode_slots
