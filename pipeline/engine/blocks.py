@@ -1,6 +1,5 @@
-"""The scheduler's count of KV blocks: per running request, the tokens its stages may hold after
-the step planned for it (`reserved`), so planned steps never need more than the pool. Shared
-prefix-cache blocks count once per user: an upper bound."""
+"""The scheduler's count of KV blocks: per running request, what its stages may hold after its
+planned step (`reserved`; shared prefix blocks once per user), so plans never overfill the pool."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from pipeline.engine.request import EngineRequest
 
 @dataclass
 class BlockBudget:
-    num_blocks: int | None  # None: slots are the only limit
+    num_blocks: int | None
     block_size: int
     max_model_len: int
     num_speculative_tokens: int
@@ -34,15 +33,13 @@ class BlockBudget:
         return self.num_blocks - self.need(running, caps)
 
     def admission(self, req: EngineRequest) -> int:
-        """Its prefill and first verify (so it is not preempted at once), capped at one
-        max_model_len request, which the pool always holds."""
+        # its prefill and first verify, so it is not preempted at once
         return self.blocks(min(len(req.prompt_ids) + len(req.output_ids) + 1
                                + self.num_speculative_tokens, self.max_model_len))
 
     def victims(self, running: dict[str, EngineRequest],
                 caps: dict[str, int]) -> list[EngineRequest]:
-        """The newest verifying requests to preempt, newest first, until the rest fit. A lone
-        request always fits, and the non-verifying ones fit in what they held last step."""
+        # the newest verifying requests, until the rest fit (a lone one always does)
         if self.num_blocks is None:
             return []
         need = self.need(running.values(), caps)

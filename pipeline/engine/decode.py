@@ -1,5 +1,4 @@
-"""A step's verify rows: which running requests verify, and the most drafts each may carry
-(its cap: never past its output cap or max_model_len, and shrunk to fit the token budget)."""
+"""A step's verify rows and their draft caps (within output cap, max_model_len, token budget)."""
 
 from __future__ import annotations
 
@@ -17,15 +16,13 @@ def steppable(req: EngineRequest, max_model_len: int) -> bool:
 
 
 def draft_caps(running: Iterable[EngineRequest], k: int, max_model_len: int) -> dict[str, int]:
-    """The verifying requests' caps, by rid in running order."""
     return {r.rid: max(0, min(k, r.remaining - 1, draft_room(max_model_len, r.kv_len)))
             for r in running if steppable(r, max_model_len)}
 
 
 def verify_budget(token_budget: int | None, running: Iterable[EngineRequest],
                   waiting: Iterable[EngineRequest], free_slots: int) -> int | None:
-    """All of the budget when no prompt waits, else what prompts leave but at least half: drafts
-    are optional work and a prefill is not, yet streams must not starve either."""
+    """What waiting prompts leave, but at least half: drafts are optional, prefills are not."""
     if token_budget is None:
         return None
     demand = sum(r.prefill_len - r.computed for r in running if r.prefilling)
@@ -50,7 +47,6 @@ def fit_caps(caps: dict[str, int], budget: int | None) -> None:
 
 def plan_verifies(plan: StepPlan, running: dict[str, EngineRequest],
                   caps: dict[str, int]) -> list[EngineRequest]:
-    """Add the verify rows to `plan` (ks = caps, for the controller to lower); returns them."""
     rows = [running[rid] for rid in caps]
     for req in rows:
         cap = caps[req.rid]

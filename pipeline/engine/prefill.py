@@ -24,7 +24,6 @@ class TokenBudget:
         return self.left == 0
 
     def take(self, want: int) -> int:
-        """How many of `want` tokens fit; those are taken."""
         if self.left is None:
             return want
         n = min(self.left, want)

@@ -18,18 +18,18 @@ class Status(Enum):
 class EngineRequest:
     rid: str
     prompt_ids: list[int]
-    params: SamplingParams  # as given to the output processor (max_new_tokens capped)
+    params: SamplingParams
     status: Status = Status.WAITING
-    num_output: int = 0  # the engine's count: may run past a finish
-    last_token: int = -1  # newest token; not yet in the target KV cache
-    pending: list[int] = field(default_factory=list)  # last step's tokens, not yet committed
-    group: str = ""  # its client request (fair admission); "" = its own rid
-    tenant: str = ""  # hash of its API key and `user` (pipeline.frontend.tenant)
-    seq: int = 0  # arrival order, set when queued
+    num_output: int = 0
+    last_token: int = -1  # not yet in the target KV cache
+    pending: list[int] = field(default_factory=list)
+    group: str = ""
+    tenant: str = ""
+    seq: int = 0
     output_ids: list[int] = field(default_factory=list)
     reserved: int = 0  # KV tokens its stages may hold after the step last planned for it
-    prefill_len: int = 0  # tokens its current admission prefills (prompt + output so far)
-    computed: int = 0  # of those, how many the stages hold after the steps planned so far
+    prefill_len: int = 0  # what its current admission prefills
+    computed: int = 0  # of those, what the steps planned so far compute
 
     def __post_init__(self) -> None:
         self.group = self.group or self.rid
@@ -44,7 +44,6 @@ class EngineRequest:
 
     @property
     def prefill_ids(self) -> list[int]:
-        # a preempted request recomputes its output too
         return self.prompt_ids + self.output_ids
 
     @property

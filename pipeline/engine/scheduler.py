@@ -33,7 +33,7 @@ class Scheduler:
                  token_budget: int | None = None) -> None:
         # the config's num_seqs (the stats' "num_slots"): every stage has this many slots
         self.max_running = max_running
-        self.token_budget = token_budget  # max_num_batched_tokens; None: no budget
+        self.token_budget = token_budget  # max_num_batched_tokens
         self.blocks = BlockBudget(num_blocks, block_size, max_model_len, num_speculative_tokens)
         self.preemptions = 0
         self.max_waiting = max_waiting
@@ -42,21 +42,18 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.spec = spec or SpecController(SpecSettings("fixed", num_speculative_tokens))
         self.vocab_size = vocab_size
-        # a lone request can always run
         self.waiting = FairQueue(min(reserved_slots, max_running - 1))
         self.running: dict[str, EngineRequest] = {}
-        self._held: Counter[str] = Counter()  # running slots per group
+        self._held: Counter[str] = Counter()  # running requests per group
         self._release: list[str] = []
         self._finals: dict[str, list[int]] = {}  # released requests' uncommitted tokens
         self._step = 0
-        self._new: list[EngineRequest] = []  # the last plan's admissions (their cache hits)
+        self._new: list[EngineRequest] = []
         # a batch job's last request is queued: once nothing waits, it drains
         self._closed = False
 
-    # --- requests in and out --------------------------------------------------------------
     def prepare(self, call: EngineCall) -> EngineRequest:
-        """Validate a request and cap its output at max_model_len; queues nothing. Raises
-        ValueError (bad prompt, id in use) or EngineOverloadedError (queue full)."""
+        """Validate (ValueError, EngineOverloadedError) and cap the output at max_model_len."""
         rid, prompt_ids, params = call.rid, call.prompt_ids, call.params
         if rid in self.running or rid in self.waiting:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -69,8 +66,6 @@ class Scheduler:
         return EngineRequest(rid, list(prompt_ids), params, group=group, tenant=call.tenant)
 
     def enqueue(self, req: EngineRequest, last: bool = False) -> EngineRequest:
-        """`last`: the client sends nothing after it, so the batch drains once it is admitted;
-        a request arriving at an idle engine starts a new batch."""
         self._check_room(req.group)
         if not self.has_work:
             self._closed = False
@@ -79,8 +74,7 @@ class Scheduler:
         return req
 
     def _check_room(self, group: str) -> None:
-        # a group's later choices may not take the last reserved_waiting places, kept for
-        # single requests and first choices
+        # the last reserved_waiting places are kept for single requests and first choices
         waiting = len(self.waiting)
         if waiting >= self.max_waiting:
             raise EngineOverloadedError(
@@ -101,8 +95,7 @@ class Scheduler:
             raise ValueError(f"prompt_ids: token {bad[0]!r} is outside [0, {self.vocab_size})")
 
     def finish(self, rid: str) -> EngineRequest | None:
-        """A finish or an abort: a waiting request is dropped, a running one's slots are
-        released with the next plan. Returns the request if it was still known."""
+        """A finish or abort; a running request's slots go with the next plan's release."""
         req = self.waiting.remove(rid)
         if req is not None:
             req.status = Status.FINISHED
@@ -119,7 +112,6 @@ class Scheduler:
         return rid in self._release
 
     def _stop(self, req: EngineRequest) -> None:
-        """Out of the running set; its slots go with the next plan's release."""
         del self.running[req.rid]
         self._release.append(req.rid)
         self.spec.forget(req.rid)
@@ -127,10 +119,8 @@ class Scheduler:
         if self._held[req.group] <= 0:
             del self._held[req.group]
 
-    # --- one step -------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        """The next step's plan; a release-only plan when only slots are left to free; None
-        when there is nothing to do."""
+        """The next step's plan, or None when there is nothing to do (nor to release)."""
         caps = draft_caps(self.running.values(), self.num_speculative_tokens,
                           self.max_model_len)
         fit_caps(caps, verify_budget(self.token_budget, self.running.values(), self.waiting,
@@ -183,20 +173,17 @@ class Scheduler:
         return plan
 
     def _draining(self, admitted: list[EngineRequest]) -> bool:
-        # nothing waits or will come, and every running request is past its prefill
         return (self._closed and not self.waiting and not admitted
                 and all(r.num_output > 0 and not r.prefilling for r in self.running.values()))
 
     def _choose_ks(self, plan: StepPlan, rows: list[EngineRequest], drain: bool) -> None:
-        # No k is pinned: a seeded request's output does not depend on its drafts (its
-        # randomness is keyed by output position, pipeline.verify.acceptance).
+        # none pinned: a seeded request's randomness is keyed by output position, not drafts
         plan.ks = self.spec.choose(plan.decode, plan.ks, None,
                                    [r.remaining for r in rows] if drain else None)
         plan.min_gains = self.spec.min_gains(plan.decode)
 
     def _start(self, req: EngineRequest, budget: TokenBudget) -> NewRequest:
-        """Run an admitted request: its first chunk, which its stages start past their cache
-        hit (added in `apply`)."""
+        # its stages start the first chunk past their cache hit (added in `apply`)
         req.status = Status.RUNNING
         self.running[req.rid] = req
         ids = req.prefill_ids
@@ -207,8 +194,7 @@ class Scheduler:
                           chunk=chunk)
 
     def apply(self, outcome: StepOutcome) -> None:
-        """Record a step's outcome (requests finished meanwhile are skipped): cache hits move
-        the new requests' prefills on, and a request that got tokens has finished its prefill."""
+        """Record a step's outcome; a request that got tokens has finished its prefill."""
         for req, cached in zip(self._new, outcome.cached):
             req.computed = min(req.prefill_len, req.computed + cached)
         self._new = []
@@ -222,7 +208,6 @@ class Scheduler:
             req.pending.extend(tokens)
             req.output_ids.extend(tokens)
 
-    # --- views ----------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int | None:
         return self.blocks.num_blocks
@@ -233,7 +218,6 @@ class Scheduler:
 
     @property
     def blocks_used(self) -> int:
-        """KV blocks the running requests' planned steps hold (of `num_blocks`)."""
         return self.blocks.used(self.running.values())
 
     @property
