@@ -72,19 +72,7 @@ class Verifier:
         # a plan out of step with this rank is refused before any slot or forward
         more = [self._next_chunk(*c) for c in zip(plan.prefills, plan.prefill_starts,
                                                   plan.prefill_ends)]
-        cached, chunks = [], []  # (rid, prompt ids, start, end) in forward order
-        for new in plan.new:
-            if new.rid in self._requests:
-                raise ValueError(f"verifier: request {new.rid!r} is already running")
-            req = self._requests[new.rid] = _Request(self.runner.allocate(), new.params,
-                                                     new.prompt_ids, new.num_output)
-            req.hit = hit = self.runner.attach_prefix(req.slot, new.prompt_ids)
-            cached.append(hit)
-            end = len(new.prompt_ids) if new.chunk is None else min(len(new.prompt_ids),
-                                                                     hit + new.chunk)
-            chunks.append((new.rid, new.prompt_ids, hit, end))
-        if plan.new and self.agree is not None:  # the hits set this forward's shapes
-            self.agree(self.runner.cache.digest(), f"step {plan.step}'s prefix-cache hits")
+        cached, chunks = self._admit(plan)  # chunks: (rid, prompt ids, start, end)
         chunks += more
         for rid, ids, _, end in chunks:
             if end == len(ids):
@@ -131,6 +119,22 @@ class Verifier:
 
     def report(self, step: int, rank: int) -> RankReport:
         return RankReport(step, rank, self.kv_digest)
+
+    def _admit(self, plan: StepPlan) -> tuple[list[int], list[tuple[str, list[int], int, int]]]:
+        cached, chunks = [], []
+        for new in plan.new:
+            if new.rid in self._requests:
+                raise ValueError(f"verifier: request {new.rid!r} is already running")
+            req = self._requests[new.rid] = _Request(self.runner.allocate(), new.params,
+                                                     new.prompt_ids, new.num_output)
+            req.hit = hit = self.runner.attach_prefix(req.slot, new.prompt_ids)
+            cached.append(hit)
+            end = len(new.prompt_ids) if new.chunk is None else min(len(new.prompt_ids),
+                                                                     hit + new.chunk)
+            chunks.append((new.rid, new.prompt_ids, hit, end))
+        if plan.new and self.agree is not None:  # the hits set this forward's shapes
+            self.agree(self.runner.cache.digest(), f"step {plan.step}'s prefix-cache hits")
+        return cached, chunks
 
     def _next_chunk(self, rid: str, start: int, end: int) -> tuple[str, list[int], int, int]:
         req = self._requests.get(rid)
