@@ -1,17 +1,9 @@
-"""The engine's step loop as plain asyncio code: receive -> schedule -> draft + verify -> output ->
-handle finishes. The stages sit behind `Stages`, so the same loop drives in-process objects
-(`LocalStages`, fast tests) and Ray actors (`actors.engine.RayStages`).
-
-Overlap: with `overlap` on, step s+1 is launched before step s's output has been processed, so a
-finish notice arrives one step late; the late step's tokens for a finished request are dropped by
-the output processor (counted in its `dropped_steps`), and the slots are freed by the next plan.
-
-Failure: any stage error or a stalled step (slower than the stall bound of pipeline.engine.stall:
-a multiple of the recent p99 step time, between `step_timeout_floor_s` and `step_timeout_s`) ends
-every in-flight request with EngineDeadError and marks the engine unhealthy; new requests are
-refused with the same error. A lost draft stage is not a failure: the stages verify without
-drafts (pipeline.engine.draft_failover) and mark the outcome `undrafted`.
-"""
+"""The engine's step loop in plain asyncio: receive -> schedule -> draft + verify -> output ->
+finishes, driving in-process stages or Ray actors through `Stages`. With `overlap`, step s+1 runs
+while step s's output is processed: a finish is seen a step late, its late tokens are dropped by
+the output processor and its slots freed by the next plan. A stage error or a stalled step
+(pipeline.engine.stall) ends every request with EngineDeadError and marks the engine unhealthy;
+a lost draft stage only means steps without drafts (pipeline.engine.draft_failover)."""
 
 from __future__ import annotations
 
@@ -31,29 +23,20 @@ from pipeline.protocol import EngineCall, NewRequest, StepOutcome, StepPlan
 
 
 class Stages(Protocol):
-    """What the loop drives. `payload` may be the message bytes or a handle to them."""
-
     def add_request(self, req: NewRequest, traceparent: str | None) -> Awaitable[None]:
-        """Register a request with the output stage when it is queued (so it is known before
-        any step carries it); ValueError when the output stage refuses it."""
+        """Register with the output stage before any step carries it (ValueError: refused)."""
 
-    def run_step(self, plan: StepPlan) -> Awaitable[StepOutcome]:
-        """Draft and verify one step."""
+    def run_step(self, plan: StepPlan) -> Awaitable[StepOutcome]: ...
 
-    def process(self, payload: Any) -> Awaitable[list[RequestOutput]]:
-        """Run one step message through the output processor."""
+    def process(self, payload: Any) -> Awaitable[list[RequestOutput]]: ...
 
-    def abort(self, rid: str) -> Awaitable[RequestOutput | None]:
-        """Abort a request in the output processor; its abort delta (None if unknown)."""
+    def abort(self, rid: str) -> Awaitable[RequestOutput | None]: ...
 
-    def dropped_steps(self) -> Awaitable[int]:
-        """How many per-request step windows the output processor dropped."""
+    def dropped_steps(self) -> Awaitable[int]: ...
 
 
 class RequestStream:
-    """The deltas of one request, in order; ends after the finished delta or raises an error.
-    With a `sink` (a relay's OutputChannel.put) every item goes there instead, and the stream
-    is not iterated."""
+    """One request's deltas; with a `sink` (a relay's OutputChannel.put) they go there."""
 
     def __init__(self, rid: str,
                  sink: Callable[[str, RequestOutput | BaseException], None] | None = None
@@ -81,9 +64,8 @@ class RequestStream:
 class EngineCore:
     def __init__(self, config: EngineConfig, stages: Stages, vocab_size: int,
                  tracer: Any = None, stall: StallDetector | None = None) -> None:
-        """`stall`: a detector carried over from the engine's previous stages (a rebuild)."""
         self.config = config
-        self.tracer = tracer  # an OpenTelemetry tracer: one `spec.engine_step` span per step
+        self.tracer = tracer
         self.stages = stages
         self.scheduler = Scheduler(config.num_seqs, config.max_waiting, config.max_model_len,
                                    config.num_speculative_tokens, vocab_size,
@@ -93,34 +75,28 @@ class EngineCore:
                                    num_blocks=config.kv_blocks, block_size=config.block_size,
                                    token_budget=config.max_num_batched_tokens)
         self.stats = EngineStats()
+        # a rebuild hands over its detector
         self.stall = stall or StallDetector(config.step_timeout_floor_s,
                                             config.step_timeout_p99_multiple,
                                             config.step_timeout_s)
-        self.stall_bound_s = config.step_timeout_s  # of the step in flight
+        self.stall_bound_s = config.step_timeout_s
         self.last_progress = time.time()
         self.dead_reason: str | None = None
         self._streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._dropped = 0
-        self._in_step = False  # a step's stages are running (see `idle`)
-        self._step_started: float | None = None  # monotonic start of the step in flight
-        # prompt tokens served from the prefix cache, per request, until its first delta
-        self._cached: dict[str, int] = {}
-        # finished running requests whose release plan has not yet run: a late step (overlap)
-        # may still carry their tokens, so their ids are not reusable until it has
+        self._in_step = False
+        self._step_started: float | None = None
+        self._cached: dict[str, int] = {}  # prefix-cache hits, until the request's first delta
+        # finished, slots not yet released: a late step may still carry their ids' tokens
         self._unreleased: dict[str, asyncio.Event] = {}
 
-    # --- requests ---------------------------------------------------------------------------
     async def add_request(self, call: EngineCall,
                           sink: Callable[[str, RequestOutput | BaseException], None] | None = None
                           ) -> RequestStream:
-        """Queue a request and return its stream. Raises EngineDeadError, EngineOverloadedError
-        (queue full) or ValueError (bad prompt or parameters, id in use); nothing is queued then.
-        (`sink`: see RequestStream.)
-        An id whose previous request has finished is reusable once that request's slots are
-        freed (the next step): until then this waits, since the step after a stop was planned
-        with the stopped request, and its tokens would reach the new one under the same id."""
+        """Queue a request (or raise EngineDeadError, EngineOverloadedError, ValueError); a
+        finished request's id is reused only once its slots are released (this waits)."""
         rid = call.rid
         while rid in self._unreleased:
             if self._task is None or self._task.done():  # no loop to run the release plan
@@ -138,24 +114,21 @@ class EngineCore:
                                           call.traceparent)
             registered = True
             if self._streams.get(rid) is not stream:
-                # Aborted while registering (a client gone that early): never queue it, and
-                # let the output stage forget it too. The stream already holds the abort delta.
-                await self.stages.abort(rid)
+                await self.stages.abort(rid)  # aborted while registering: never queue it
                 return stream
             was_idle = not self.scheduler.has_work
-            self.scheduler.enqueue(req, call.last)  # the queue may have filled during the await
+            self.scheduler.enqueue(req, call.last)  # the queue may have filled meanwhile
         except BaseException:
             self._streams.pop(rid, None)
             if registered:
                 await self.stages.abort(rid)
             raise
         if was_idle:
-            self.last_progress = time.time()  # the step-timeout clock starts with the work
+            self.last_progress = time.time()
         self._wake.set()
         return stream
 
     async def abort(self, rid: str) -> None:
-        """End a request with an abort delta; a running one's slots are freed by the next plan."""
         stream = self._streams.pop(rid, None)
         if stream is None:
             return
@@ -168,19 +141,15 @@ class EngineCore:
         self._wake.set()
 
     async def idle(self) -> None:
-        """Wait until nothing is queued, running or left to release and no step is in flight
-        (or the loop stopped): a finished request's slots are freed by a later plan, and a
-        runner shared with another engine is reusable only once that plan ran."""
+        """Until no work and no step is left: a runner shared with another engine is free."""
         while (self.scheduler.has_work or self._in_step) and \
                 self._task is not None and not self._task.done():
             await asyncio.sleep(0.001)
 
-    # --- the loop ---------------------------------------------------------------------------
     def start(self) -> asyncio.Task:
-        """Run the loop as a task of the running event loop (again, after a loop ended)."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
-            self._wake = asyncio.Event()  # an Event belongs to the loop that first waits on it
+            self._wake = asyncio.Event()  # an Event belongs to the loop that first waits
             self._unreleased = {rid: asyncio.Event() for rid in self._unreleased}
             self._task = loop.create_task(self.run())
         return self._task
@@ -193,12 +162,11 @@ class EngineCore:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for released in self._unreleased.values():  # waiters see no loop and give up
+        for released in self._unreleased.values():
             released.set()
 
     async def run(self) -> None:
-        """Step until stopped or a stage fails (then every in-flight request gets the error)."""
-        pending: asyncio.Future | None = None  # the previous step's output, when overlapping
+        pending: asyncio.Future | None = None
         try:
             while True:
                 plan = self.scheduler.schedule()
@@ -231,20 +199,19 @@ class EngineCore:
         self.stall_bound_s = self.stall.bound(tokens)
         started = self._step_started = time.monotonic()
         step = asyncio.ensure_future(self._timed(self.stages.run_step(plan), plan.step, "verify"))
-        if pending is not None:  # step s-1's output is handled while step s drafts and verifies
+        if pending is not None:
             await self._deliver(pending)
         try:
             outcome = await step
         finally:
             if span is not None:
                 span.end()
-        # the stages freed this plan's released requests, and every step that carried them is
-        # processed (the last one's output was delivered above): their ids are free again
+        # every step that carried a released request is processed now: its id is free again
         for rid in plan.release:
             released = self._unreleased.pop(rid, None)
             if released is not None:
                 released.set()
-        if not plan.rids:  # a release-only step: nothing to output
+        if not plan.rids:
             return None
         self.stall.record(time.monotonic() - started, tokens)
         for new, cached in zip(plan.new, outcome.cached):
@@ -253,17 +220,15 @@ class EngineCore:
                 self.stats.prefix_queries += len(new.prompt_ids)
                 self.stats.prefix_hits += cached
         self.scheduler.apply(outcome)
-        # the outcome's rows: the prefills whose last chunk ran, then every verify
         new = len(outcome.rids) - len(plan.decode)
         self.stats.record(outcome, new)
-        # the adaptive k learns from the decodes only, and never from a step the draft stage
-        # missed (its rows asked for drafts that could not come: no sign of what would be kept)
+        # a step the draft stage missed says nothing about what drafts would keep
         if not outcome.undrafted:
             self.scheduler.spec.observe(
                 outcome.rids[new:], outcome.drafted[new:], [len(t) for t in outcome.tokens[new:]],
                 outcome.decode_s, outcome.expected[new:] if outcome.expected else None)
         self.last_progress = time.time()
-        if not outcome.rids:  # only prefill chunks that did not end their prompts
+        if not outcome.rids:
             return None
         output = asyncio.ensure_future(
             self._timed(self.stages.process(outcome.payload), plan.step, "output"))
@@ -273,19 +238,16 @@ class EngineCore:
         return None
 
     def _start_span(self, plan: StepPlan) -> Any:
-        """The step's engine span, with the controller's decision when sampled; its context rides
-        in the plan and the message, so the output actor's `spec.verify_step` span joins the
-        same trace."""
+        """The step's span; its context rides in the plan, so the output stage's span joins."""
         if self.tracer is None or not plan.rids:
             return None
-        # lazy: the core imports no opentelemetry unless a tracer was handed to it
         from pipeline.engine.spec.record import span_attributes
         from pipeline.tracing.otel import traceparent_of
 
         span = self.tracer.start_span("spec.engine_step", attributes={
             "spec.step": plan.step, "spec.batch_size": len(plan.rids),
             "spec.prefills": len(plan.new)})
-        if span.is_recording():  # why each k (spec.control.*): sampled steps only
+        if span.is_recording():
             span.set_attributes(span_attributes(self.scheduler.spec.decision(),
                                                 [n.rid for n in plan.new]))
         plan.traceparent = traceparent_of(span)
@@ -312,9 +274,9 @@ class EngineCore:
             if delta.rid in self._cached and delta.cached_tokens is None:
                 delta.cached_tokens = self._cached.pop(delta.rid)
             stream = self._streams.get(delta.rid)
-            if stream is None:  # aborted meanwhile: the abort delta already ended it
+            if stream is None:
                 if delta.finished:
-                    self._retire(delta.rid)  # idempotent; never leave a slot behind
+                    self._retire(delta.rid)
                 continue
             stream.put(delta)
             if delta.finished:
@@ -323,8 +285,6 @@ class EngineCore:
         self.last_progress = time.time()
 
     def _retire(self, rid: str) -> EngineRequest | None:
-        """`Scheduler.finish`; a running request's id stays reserved until its slots are freed
-        (`add_request`)."""
         req = self.scheduler.finish(rid)
         self._cached.pop(rid, None)
         if self.scheduler.releasing(rid):
@@ -332,8 +292,7 @@ class EngineCore:
         return req
 
     def fail(self, exc: BaseException) -> None:
-        """A stage failed outside the loop (a health ping, registering a request): end every
-        in-flight request with EngineDeadError, refuse new ones, and stop the loop."""
+        """A stage failed outside the loop: fail every request and stop."""
         if self.dead_reason is None:
             self._fail(exc)
         if self._task is not None:
@@ -347,34 +306,32 @@ class EngineCore:
             stream.put(error)
             self.scheduler.finish(rid)
         self._streams.clear()
-        for released in self._unreleased.values():  # waiters find the engine dead
+        for released in self._unreleased.values():
             released.set()
         self._unreleased.clear()
 
-    # --- views ------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         if self.dead_reason is not None:
             return {"healthy": False, "reason": self.dead_reason}
         if self._task is not None and self._task.done():
             return {"healthy": False, "reason": "engine loop stopped"}
-        # The step in flight against its own bound (what the loop's stall check uses), not the
-        # time since the last step ended: between steps the loop hands out a step's deltas and
-        # plans the next, which under a large fan-out can take longer than a step's bound.
+        # the step in flight against its own bound: handing out a large fan-out's deltas
+        # between steps may take longer than a step
         started = self._step_started
         if started is not None and time.monotonic() - started > self.stall_bound_s:
             return {"healthy": False, "reason": f"the step in flight has run "
                     f"{time.monotonic() - started:.1f}s, over its bound {self.stall_bound_s:.1f}s"}
         stalled = time.time() - self.last_progress
         if started is None and self.scheduler.has_work and stalled > self.config.step_timeout_s:
-            return {"healthy": False,  # a loop that stopped stepping with work to do
+            return {"healthy": False,
                     "reason": f"no progress for {stalled:.1f}s with pending requests"}
         return {"healthy": True, "reason": ""}
 
     async def stats_dict(self) -> dict[str, Any]:
-        if self.dead_reason is None:  # a dead stage cannot answer: keep the last count
+        if self.dead_reason is None:
             try:
                 self._dropped = await self.stages.dropped_steps()
-            except Exception:  # noqa: BLE001, S110 - a stage died unnoticed: health() notices
+            except Exception:  # noqa: BLE001, S110 - health() notices a dead stage
                 pass
         return {**scheduler_view(self.scheduler), **self.stats.view(), "dropped_steps": self._dropped,
                 "healthy": self.health()["healthy"], "last_progress": self.last_progress,

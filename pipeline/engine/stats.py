@@ -1,4 +1,7 @@
-"""The engine's running speculative counters, read by the metrics endpoint and benchmarks."""
+"""The engine's running counters (named like vLLM's spec-decode and prefix-cache metrics), read by
+the metrics endpoint and benchmarks. Raw counts: before finish truncation; every decode
+request-step is a verify step, a draft one with >= 1 draft token; `k_chosen[k]` counts verify
+steps given k drafts, `step_seconds` decode-only steps per upper bound of STEP_BUCKETS."""
 
 from __future__ import annotations
 
@@ -9,24 +12,11 @@ from typing import Any
 from pipeline.output.request_state import count_into
 from pipeline.protocol import StepOutcome
 
-# Upper bounds (seconds) of the verify-step time histogram operators see (EngineStats.step_seconds).
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
 class EngineStats:
-    """Raw speculative counts (before finish truncation), named like vLLM's spec-decode metrics.
-
-    Every decode request-step is a verify step (drafted or not); `histogram[a]` counts those that
-    accepted `a` drafts (the same rule as the per-request SpecStats). A draft is a request-step
-    with at least one draft token; `accepted_per_pos[i]` counts drafts whose position i was
-    accepted. Rates are pooled: accepted_tokens / draft_tokens.
-
-    For operators: `k_chosen[k]` counts verify request-steps that were given k drafts (k = 0: a
-    step verified with nothing drafted); `step_seconds` counts decode-only steps by the seconds
-    their drafting + verifying took, per upper bound of STEP_BUCKETS (the last: slower than all);
-    `stalls` counts steps declared stalled."""
-
     steps: int = 0
     verify_steps: int = 0
     drafts: int = 0
@@ -38,13 +28,11 @@ class EngineStats:
     step_seconds: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
     step_seconds_sum: float = 0.0
     stalls: int = 0
-    # prefix cache, in prompt tokens (vLLM's prefix_cache_queries / prefix_cache_hits): every
-    # first prefill's prompt, and the part of it whose KV came from the cache
+    # in prompt tokens: every first prefill's prompt, and its part served from the cache
     prefix_queries: int = 0
     prefix_hits: int = 0
 
     def view(self) -> dict[str, Any]:
-        """The counters as the engine's stats answer names them."""
         return {
             "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
             "steps": self.steps, "verify_steps": self.verify_steps, "num_drafts": self.drafts,
@@ -57,7 +45,7 @@ class EngineStats:
         }
 
     def record(self, outcome: StepOutcome, num_prefills: int) -> None:
-        """One step; its first `num_prefills` requests were prefilled (not verify steps)."""
+        """One step, whose first `num_prefills` rows were prefills."""
         self.steps += 1
         if outcome.decode_s is not None:
             self.step_seconds[bisect.bisect_left(STEP_BUCKETS, outcome.decode_s)] += 1
@@ -78,9 +66,8 @@ class EngineStats:
 
 
 def scheduler_view(scheduler: Any) -> dict[str, Any]:
-    """A Scheduler's occupancy as the engine's stats answer names it."""
     return {
-        "num_slots": scheduler.num_slots, "free_slots": scheduler.free_slots,
+        "num_slots": scheduler.max_running, "free_slots": scheduler.free_slots,
         "kv_blocks": scheduler.num_blocks, "kv_blocks_used": scheduler.blocks_used,
         "preemptions": scheduler.preemptions, "running": len(scheduler.running),
         "waiting": len(scheduler.waiting), "max_waiting": scheduler.max_waiting,

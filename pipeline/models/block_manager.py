@@ -1,33 +1,9 @@
-"""Which KV blocks each sequence holds: a pool of fixed-size blocks, one block table per sequence,
-and (optionally) automatic prefix caching of full blocks of committed tokens.
-
-Pure Python (no torch), nano-vllm style. A sequence's tokens 0..n-1 live in its table's blocks,
-token i at row i % block_size of block `table[i // block_size]`.
-
-Prefix caching: once the caller says a sequence's first n tokens are committed (`commit`), each
-full block among them gets a chained key: a hash of (its parent block's key, its tokens), so a
-key names a whole prefix; the tokens are kept too and compared on a hit, so a hash collision
-can never hand out the wrong KV. `attach` gives a new sequence the longest chain of cached
-blocks matching its tokens (shared: ref count + 1). A block whose last user leaves keeps its key
-and waits, reusable, at the back of the free list; allocation takes blocks without a key first,
-then evicts the least recently freed cached block. Draft tokens never get a key: only what the
-caller committed does, and a block is keyed only when all its tokens are committed.
-
-Invariants:
-- every block is in use (ref count = number of tables holding it, > 0), cached (ref count 0,
-  keyed, in the free list) or free (ref count 0, no key, in the free list);
-  free + cached + in use == num_blocks;
-- a table holds exactly `blocks_for(length)` blocks once `ensure` ran for that length;
-  `truncate` frees the blocks wholly past the new end (rejected drafts), nothing else;
-- a keyed block's rows are never written again while it is keyed (writes go past the
-  committed end, into blocks of the writer's own; truncating into a keyed block drops its key
-  if the block is the caller's alone, and is refused if it is shared);
-- allocation, append, free and a hit are O(1) per block; the order is deterministic, so every
-  tensor-parallel rank that applies the same calls holds the same block ids;
-- `history` chains every decision (blocks handed to a sequence, hits, blocks freed) into 16
-  bytes: two managers that made the same decisions from an empty pool have the same history,
-  and once they differ they never agree again (how ranks check each other, at O(1) a step).
-"""
+"""Which KV blocks each sequence holds (nano-vllm style): a pool of fixed-size blocks, one table
+per sequence (token i in block `table[i // block_size]`) and optional prefix caching: a full block
+of committed tokens gets a chained key (its parent's key and its tokens, compared on a hit), and
+`attach` shares the longest cached chain; unreferenced keyed blocks are evicted LRU, after
+unkeyed ones. O(1) per block and deterministic; `history` chains every decision into 16 bytes,
+so tensor-parallel ranks can check they hold the same blocks (pipeline.verify.ranks)."""
 
 from __future__ import annotations
 
@@ -39,7 +15,7 @@ from pipeline.block_hash import chain_key
 
 
 class CacheFullError(RuntimeError):
-    """No free sequence slot, or not enough free blocks for a sequence to grow."""
+    pass
 
 
 class BlockManager:
@@ -56,10 +32,10 @@ class BlockManager:
         self.tables: dict[int, list[int]] = {}
         self._key: list[bytes | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self._cached: dict[bytes, int] = {}  # key -> block
+        self._cached: dict[bytes, int] = {}
         self._keyed: dict[int, tuple[int, bytes]] = {}  # seq -> (keyed blocks, last key)
         self.num_cached_free = 0  # keyed blocks with ref count 0
-        self.history = b""  # chain of decisions (module docstring)
+        self.history = b""
 
     def _note(self, *values: int) -> None:
         self.history = hashlib.blake2b(self.history + array("q", values).tobytes(),
@@ -67,7 +43,6 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        """Blocks an allocation may take (free + cached-and-unreferenced)."""
         return len(self._free)
 
     @property
@@ -84,8 +59,7 @@ class BlockManager:
         self._keyed[seq] = (0, b"")
 
     def attach(self, seq: int, tokens: list[int], limit: int) -> int:
-        """Give the new, empty sequence `seq` the longest run of cached full blocks matching
-        `tokens`, covering at most `limit` tokens; returns how many tokens they hold."""
+        """Share the longest cached chain of `tokens` (<= `limit`); returns its tokens."""
         table = self.tables[seq]
         if table or not self.prefix_caching:
             return 0
@@ -108,8 +82,7 @@ class BlockManager:
         return n * self.block_size
 
     def commit(self, seq: int, tokens: list[int]) -> None:
-        """`tokens` (the sequence's first len(tokens) tokens) are committed: key every full
-        block among them that has no key yet."""
+        """The sequence's first len(tokens) tokens are committed: key their full blocks."""
         if not self.prefix_caching:
             return
         table = self.tables[seq]
@@ -126,12 +99,10 @@ class BlockManager:
         self._keyed[seq] = (max(done, full), key)
 
     def missing(self, seq: int, num_tokens: int) -> int:
-        """Blocks `seq` still needs to hold `num_tokens` tokens."""
         return max(0, self.blocks_for(num_tokens) - len(self.tables[seq]))
 
     def ensure(self, seq: int, num_tokens: int) -> None:
-        """Grow `seq`'s table to hold `num_tokens` tokens; CacheFullError (nothing taken) when
-        the pool has too few free or evictable blocks."""
+        """Grow `seq`'s table to `num_tokens` tokens; CacheFullError takes nothing."""
         need = self.missing(seq, num_tokens)
         if need > len(self._free):
             raise CacheFullError(f"KV cache full: {need} more blocks needed, "
@@ -139,7 +110,7 @@ class BlockManager:
         table = self.tables[seq]
         for _ in range(need):
             block, _ = self._free.popitem(last=False)
-            if self._key[block] is not None:  # evict the least recently used cached block
+            if self._key[block] is not None:
                 del self._cached[self._key[block]]
                 self._key[block] = self._tokens[block] = None
                 self.num_cached_free -= 1
@@ -149,7 +120,6 @@ class BlockManager:
             self._note(1, seq, *table[-need:])
 
     def truncate(self, seq: int, num_tokens: int) -> None:
-        """Keep the blocks holding tokens 0..num_tokens-1; free the ones wholly past them."""
         table = self.tables[seq]
         keep = self.blocks_for(num_tokens)
         if len(table) > keep:
@@ -157,7 +127,7 @@ class BlockManager:
         while len(table) > keep:
             self._release(table.pop())
         done, _key = self._keyed[seq]
-        if num_tokens < done * self.block_size:  # back into keyed blocks (never, by the engine)
+        if num_tokens < done * self.block_size:  # into keyed blocks: the engine never does
             tail = table[-1]
             if num_tokens % self.block_size and self._key[tail] is not None:
                 if self.ref_counts[tail] > 1:
@@ -185,15 +155,14 @@ class BlockManager:
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self._free[block] = None  # cached: the back (most recently used)
+            self._free[block] = None
             if self._key[block] is None:
-                self._free.move_to_end(block, last=False)  # nothing to keep: used first
+                self._free.move_to_end(block, last=False)  # nothing to keep: reused first
             else:
                 self.num_cached_free += 1
 
     def check(self) -> None:
-        """Assert the invariants (tests, leak checks): ref counts match the tables, the free
-        list holds exactly the unreferenced blocks, the cache index matches the keys."""
+        """Assert the ref counts, the free list and the cache index agree (tests)."""
         counts = [0] * self.num_blocks
         for table in self.tables.values():
             for block in table:

@@ -1,19 +1,15 @@
-"""The target side of a step: prefill new requests, verify drafts, build the step message.
-
-Every tensor-parallel rank runs `Verifier.step` with the same plan in lockstep (the model's
-collectives pair up); only the driver rank (rank 0) runs acceptance and encodes the message.
-KV commit is lazy and identical on every rank: a verify appends [last token + drafts], and the
-next plan's `kv_lens` truncates each slot back to prefix + accepted tokens before the forward,
-so ranks never need to exchange acceptance results. Block decisions are not exchanged either
-(each rank's block manager is deterministic); `agree` and the step's KV digest
-(pipeline.verify.ranks) make any divergence between ranks fail loudly instead.
-"""
+"""The target side of a step: prefill, verify drafts, build the step message. Every
+tensor-parallel rank runs `step` with the same plan in lockstep; only the driver (rank 0) runs
+acceptance. KV commit is lazy and identical on every rank (a verify appends [last + drafts], the
+next plan's `kv_lens` truncates back), and block managers are deterministic, so ranks exchange
+nothing but digests (`agree`, pipeline.verify.ranks), which make a divergence fail loudly."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,101 +29,75 @@ from pipeline.sampling import SamplingTensors
 from pipeline.verify.acceptance import AcceptanceResult, accept, accept_greedy_packed
 
 
+@dataclass
+class _Request:
+    slot: int
+    params: SamplingParams
+    prompt_ids: list[int]  # a resumed request's output included
+    num_output: int  # its first token's output position
+    hit: int = 0
+    prefilling: bool = True
+
+
 class Verifier:
     def __init__(self, runner: ModelRunner, driver: bool = True,
                  generator: torch.Generator | None = None,
                  agree: Callable[[bytes, str], None] | None = None) -> None:
-        """`agree(digest, what)`: under tensor parallelism, a collective that raises on every
-        rank when the ranks' digests differ (pipeline.models.tp.check_ranks_agree)."""
+        """`agree(digest, what)`: raises on every rank when the ranks' digests differ."""
         self.runner = runner
         self.driver = driver
         self.generator = generator
         self.agree = agree
-        self.kv_digest = b""  # after the last step (RankReport / StepOutcome.kv_digest)
-        self._slots: dict[str, int] = {}
-        self._params: dict[str, SamplingParams] = {}
-        # chunked prefills under way: prompt ids and output so far (a resumed request's), until
-        # the chunk that ends the prompt; then its output position until that step's acceptance
-        self._prefilling: dict[str, tuple[list[int], int]] = {}
-        self._num_output: dict[str, int] = {}
-        self._hits: dict[str, int] = {}  # per prefill under way: its prefix-cache hit (spans)
-        # The driver's grammar matchers mask the logits of constrained requests (the tokenizer
-        # is only needed once one arrives).
+        self.kv_digest = b""
+        self._requests: dict[str, _Request] = {}
         self.grammars = GrammarTracker(lambda: runner.tokenizer)
 
     def release(self, rids: list[str]) -> None:
         for rid in rids:
-            slot = self._slots.pop(rid, None)
-            self._params.pop(rid, None)
-            self._prefilling.pop(rid, None)
-            self._num_output.pop(rid, None)
-            self._hits.pop(rid, None)
-            if slot is not None:
-                self.runner.free(slot)
+            req = self._requests.pop(rid, None)
+            if req is not None:
+                self.runner.free(req.slot)
 
     def reset(self) -> int:
-        """Release every request (the engine failed them all; a new scheduler starts with every
-        slot free); the prefix cache stays (its KV is a function of the tokens alone). Returns
-        how many requests it held. Every rank resets in the same order: their block managers
-        stay identical."""
-        rids = list(dict.fromkeys([*self._slots, *self._prefilling, *self._params]))
+        """Release every request (the prefix cache stays: it depends on tokens alone); returns
+        how many there were."""
+        rids = list(self._requests)
         self.release(rids)
-        self._num_output.clear()
-        self._hits.clear()
         self.grammars.reset()
         self.kv_digest = self.runner.cache.digest()
         return len(rids)
 
     def step(self, plan: StepPlan, proposal: Proposal | None) -> StepOutcome | None:
-        """Run one step; the driver returns its outcome (with the encoded message)."""
         self.release(plan.release)
-        # continuing chunks are checked first: one that does not continue its prefill on this
-        # rank (a plan out of step with the stage) is refused before any slot or forward
+        # a plan out of step with this rank is refused before any slot or forward
         more = [self._next_chunk(*c) for c in zip(plan.prefills, plan.prefill_starts,
                                                   plan.prefill_ends)]
-        cached, chunks = [], []  # chunks: (rid, prompt ids, start, end) in forward order
-        for new in plan.new:
-            if new.rid in self._slots:
-                raise ValueError(f"verifier: request {new.rid!r} is already running")
-            slot = self._slots[new.rid] = self.runner.allocate()
-            self._params[new.rid] = new.params
-            hit = self.runner.attach_prefix(slot, new.prompt_ids)
-            cached.append(hit)
-            self._hits[new.rid] = hit
-            end = len(new.prompt_ids) if new.chunk is None else min(len(new.prompt_ids),
-                                                                     hit + new.chunk)
-            chunks.append((new.rid, new.prompt_ids, hit, end))
-            if end < len(new.prompt_ids):  # the rest comes in later plans' `prefills`
-                self._prefilling[new.rid] = (new.prompt_ids, new.num_output)
-            else:
-                self._num_output[new.rid] = new.num_output
-        if plan.new and self.agree is not None:  # the hits set this forward's shapes
-            self.agree(self.runner.cache.digest(), f"step {plan.step}'s prefix-cache hits")
-        for rid, ids, _, end in more:
-            if end == len(ids):  # its last chunk: the token's output position, until acceptance
-                self._num_output[rid] = self._prefilling.pop(rid)[1]
+        cached, chunks = self._admit(plan)  # chunks: (rid, prompt ids, start, end)
         chunks += more
+        for rid, ids, _, end in chunks:
+            if end == len(ids):
+                self._requests[rid].prefilling = False
         if self.driver:
             self.grammars.apply(plan)
-        if not plan.rids:  # a release-only plan
+        if not plan.rids:
             self.kv_digest = self.runner.cache.digest()
             return StepOutcome(plan.step, [], [], [], kv_digest=self.kv_digest) \
                 if self.driver else None
         drafts = self._drafts(plan, proposal)
         logits, decode_s = self._forward(plan, chunks, drafts)
         self.kv_digest = self.runner.cache.digest()
-        # a prefill yields its first token only from the chunk that ends its prompt
         done = [i for i, (_, ids, _, end) in enumerate(chunks) if end == len(ids)]
-        positions = [self._num_output.pop(chunks[i][0]) for i in done] + list(plan.num_outputs)
-        hits = [self._hits.pop(chunks[i][0]) for i in done]
+        ended = [self._requests[chunks[i][0]] for i in done]
+        positions = [r.num_output for r in ended] + list(plan.num_outputs)
+        hits = [r.hit for r in ended]
         if not self.driver:
             return None
         start = time.perf_counter()
         rids = [chunks[i][0] for i in done] + plan.decode
-        if len(done) < len(chunks):  # drop the rows of chunks that did not end their prompts
+        if len(done) < len(chunks):
             keep = done + list(range(len(chunks), logits.shape[0]))
             logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-        params = [self._params[rid] for rid in rids]
+        params = [self._requests[rid].params for rid in rids]
         all_drafts = [[] for _ in done] + drafts
         outcome = StepOutcome(plan.step, [], [], [], cached=cached)
         if rids:
@@ -143,28 +113,41 @@ class Verifier:
             outcome.expected = [None] * len(done) + [
                 float(sum(c[: len(d)])) for c, d in zip(proposal.confidence, drafts)]
         if plan.decode and decode_s is not None:
-            # what the decodes cost: drafting, their forward, acceptance
             outcome.decode_s = (decode_s + time.perf_counter() - start
                                 + (proposal.seconds if proposal is not None else 0.0))
         return outcome
 
     def report(self, step: int, rank: int) -> RankReport:
-        """What a rank other than the driver sends back after `step`."""
         return RankReport(step, rank, self.kv_digest)
 
+    def _admit(self, plan: StepPlan) -> tuple[list[int], list[tuple[str, list[int], int, int]]]:
+        cached, chunks = [], []
+        for new in plan.new:
+            if new.rid in self._requests:
+                raise ValueError(f"verifier: request {new.rid!r} is already running")
+            req = self._requests[new.rid] = _Request(self.runner.allocate(), new.params,
+                                                     new.prompt_ids, new.num_output)
+            req.hit = hit = self.runner.attach_prefix(req.slot, new.prompt_ids)
+            cached.append(hit)
+            end = len(new.prompt_ids) if new.chunk is None else min(len(new.prompt_ids),
+                                                                     hit + new.chunk)
+            chunks.append((new.rid, new.prompt_ids, hit, end))
+        if plan.new and self.agree is not None:  # the hits set this forward's shapes
+            self.agree(self.runner.cache.digest(), f"step {plan.step}'s prefix-cache hits")
+        return cached, chunks
+
     def _next_chunk(self, rid: str, start: int, end: int) -> tuple[str, list[int], int, int]:
-        """A continuing prefill's chunk [start, end), checked against what this rank holds."""
-        if rid not in self._prefilling:
+        req = self._requests.get(rid)
+        if req is None or not req.prefilling:
             raise ValueError(f"verifier: request {rid!r} has no prefill under way")
-        ids = self._prefilling[rid][0]
-        held = self.runner.length(self._slots[rid])
+        ids = req.prompt_ids
+        held = self.runner.length(req.slot)
         if start != held or end > len(ids):
             raise ValueError(f"verifier: chunk [{start}, {end}) of {rid!r} does not continue "
                              f"its prefill ({held} of {len(ids)} tokens computed)")
         return rid, ids, start, end
 
     def _drafts(self, plan: StepPlan, proposal: Proposal | None) -> list[list[int]]:
-        """Drafts per decode rid, at most the plan's bound and never past the slot's max_len."""
         if proposal is None:
             return [[] for _ in plan.decode]
         limits = plan.draft_limits(self.runner.max_len)
@@ -172,17 +155,12 @@ class Verifier:
 
     def _forward(self, plan: StepPlan, chunks: list[tuple[str, list[int], int, int]],
                  drafts: list[list[int]]) -> tuple[torch.Tensor, float | None]:
-        """The logits of the runs in forward order, packed [N, V]: 1 row per prefill chunk,
-        1 + k_i per verify; and the seconds the forward took when it held decodes only (None with a prefill: that
-        time is not what the decodes cost).
-
-        One forward for prefill chunks and decodes alike: a forward's fixed cost (every weight
-        read once, ~60 ms of SmolLM2 on one CPU thread) is paid once a step, not again for each
-        step that admits a request (at batch 8, requests that end at different steps are
-        admitted one at a time)."""
-        slots = [self._slots[rid] for rid, _, _, _ in chunks]
-        runs = [ids[start:end] for _, ids, start, end in chunks]  # past the cached prefix
-        decode_slots = [self._slots[rid] for rid in plan.decode]
+        """Packed [N, V] logits (a row per prefill chunk, 1 + k per verify) and the forward's
+        seconds when it held decodes only. One forward for both: its fixed cost (every weight
+        read once) is paid once a step."""
+        slots = [self._requests[rid].slot for rid, _, _, _ in chunks]
+        runs = [ids[start:end] for _, ids, start, end in chunks]
+        decode_slots = [self._requests[rid].slot for rid in plan.decode]
         for slot, kv_len in zip(decode_slots, plan.kv_lens):
             self.runner.truncate(slot, kv_len)  # lazy commit of the previous step
         slots += decode_slots
@@ -191,13 +169,12 @@ class Verifier:
         logits = self.runner.forward(slots, runs, last_only=[True] * len(chunks)
                                      + [False] * len(plan.decode), packed=True)
         seconds = time.perf_counter() - start
-        for slot in slots[: len(chunks)]:  # prompt tokens are committed: full blocks cacheable
+        for slot in slots[: len(chunks)]:  # committed: full blocks become cacheable
             self.runner.truncate(slot, self.runner.length(slot))
         return logits, seconds if not chunks else None
 
     def _draft_probs(self, proposal: Proposal | None, drafts: list[list[int]],
                      offset: int) -> torch.Tensor | None:
-        """[B, K, V] q for the sampled rows (zeros elsewhere), or None (all point masses)."""
         if proposal is None or proposal.probs is None or all(p is None for p in proposal.probs):
             return None
         width = max((len(d) for d in drafts), default=0)
@@ -213,12 +190,11 @@ class Verifier:
 def _accept(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
             positions: list[int], q: torch.Tensor | None,
             generator: torch.Generator | None, allowed: np.ndarray | None) -> AcceptanceResult:
-    """Acceptance over the packed logits [N, V] (run i's 1 + len(drafts[i]) rows in order)."""
     lens = [len(d) for d in drafts]
     width = max(lens)
     batch, vocab = len(drafts), logits.shape[-1]
-    device = logits.device  # acceptance runs where the logits are (GPU or CPU)
-    # the padded draft ids built in numpy: a torch.tensor per row costs microseconds each
+    device = logits.device
+    # built in numpy: a torch.tensor per row costs microseconds each
     ids = np.zeros((batch, width), dtype=np.int64)
     if width:
         ids[np.repeat(np.arange(batch), lens), _within(lens)] = np.fromiter(
@@ -260,17 +236,14 @@ def _outcome(step: int, rids: list[str], traceparent: str | None, result: Accept
         logprobs=result.logprobs.cpu().numpy()[keep].astype(np.float64, copy=False),
         top_n=top_n, top_ids=top_ids, top_logprobs=top_lps,
         traceparent=traceparent, time=time.time(),
-        # a step that ends prefills tells the output stage what the prefix cache served them
-        # (its spans): per row, prefills first
         cached=np.array(hits + [0] * num_decode, dtype=np.int64) if hits else None,
     )
-    flat, ends = tokens.tolist(), np.cumsum(lengths).tolist()  # slices of one list: no
-    token_lists = [flat[e - n: e] for e, n in zip(ends, lengths.tolist())]  # array per row
+    flat, ends = tokens.tolist(), np.cumsum(lengths).tolist()  # no array per row
+    token_lists = [flat[e - n: e] for e, n in zip(ends, lengths.tolist())]
     return StepOutcome(step=step, rids=rids, tokens=token_lists,
                        drafted=[len(d) for d in drafts], payload=encode_columns(cols))
 
 
 def _within(lens: list[int]) -> np.ndarray:
-    """Each element's index within its run, runs of `lens` laid end to end."""
     n = np.array(lens, dtype=np.int64)
     return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)

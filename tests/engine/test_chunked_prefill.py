@@ -187,7 +187,7 @@ def test_aborting_a_request_mid_prefill_frees_everything_and_others_finish(refer
     deltas, others = asyncio.run(main())
     assert [d.finish_reason for d in deltas] == ["abort"] and not deltas[0].token_ids
     assert {rid: c.token_ids for rid, c in others.items()} == {r: want[r] for r in ("r0", "r1")}
-    assert not core.stages.verifier._prefilling
+    assert not any(r.prefilling for r in core.stages.verifier._requests.values())
     _no_blocks_held(core)
 
 
@@ -264,7 +264,7 @@ def test_every_plan_fits_the_budget_and_every_prompt_token_is_prefilled_once(wor
     each admission's chunks cover its prompt from the cache hit to the end exactly once, in
     order; a request verifies only after the chunk that ended its prompt; all complete."""
     budget, k, reqs, arrivals, rng = work
-    sched = Scheduler(num_slots=4, max_waiting=64, max_model_len=256,
+    sched = Scheduler(max_running=4, max_waiting=64, max_model_len=256,
                       num_speculative_tokens=k, vocab_size=300, num_blocks=blocks,
                       block_size=8, token_budget=budget)
     held: dict[str, int] = {}  # what the stage's KV holds of the current prefill
@@ -316,7 +316,7 @@ def test_every_plan_fits_the_budget_and_every_prompt_token_is_prefilled_once(wor
 
 
 def test_verify_rows_alone_over_the_budget_have_their_drafts_cut_to_fit():
-    sched = Scheduler(num_slots=4, max_waiting=8, max_model_len=256, num_speculative_tokens=4,
+    sched = Scheduler(max_running=4, max_waiting=8, max_model_len=256, num_speculative_tokens=4,
                       vocab_size=300, token_budget=7)
     for i in range(3):
         sched.enqueue(sched.prepare(EngineCall(f"r{i}", [5, 6], SamplingParams(max_new_tokens=50))))
@@ -331,7 +331,7 @@ def test_verify_rows_alone_over_the_budget_have_their_drafts_cut_to_fit():
 def test_waiting_prompts_get_at_least_half_the_budget_from_drafting_streams():
     """16 streams at k 4 would fill a 64-token budget with verify rows; a newcomer waits, so
     their drafts shrink to leave it half the budget (each stream keeps its own token)."""
-    sched = Scheduler(num_slots=17, max_waiting=32, max_model_len=256, num_speculative_tokens=4,
+    sched = Scheduler(max_running=17, max_waiting=32, max_model_len=256, num_speculative_tokens=4,
                       vocab_size=300, token_budget=64)
     for i in range(16):
         sched.enqueue(sched.prepare(EngineCall(f"r{i}", [5, 6], SamplingParams(max_new_tokens=50))))

@@ -58,7 +58,7 @@ def test_speculative_greedy_equals_target_only(draft, batch, overlap, reference)
         if params.logprobs is not None:
             assert spec[rid].logprobs == pytest.approx(plain[rid].logprobs, abs=LOGPROB_TOL)
     assert core.stats.draft_tokens > 0
-    assert core.scheduler.free_slots == core.scheduler.num_slots
+    assert core.scheduler.free_slots == core.scheduler.max_running
 
 
 @pytest.mark.skipif(PLACEMENT["device"] != "cpu", reason="int4 weights run on the CPU only")
@@ -549,7 +549,7 @@ def test_a_request_id_reused_right_after_a_stop_gets_none_of_the_old_requests_to
     admitted = [i for i, (new, _) in enumerate(plans) if "same" in new]
     released = next(i for i, (_, release) in enumerate(plans) if "same" in release)
     assert len(admitted) == 2 and admitted[1] > released
-    assert core.scheduler.free_slots == core.scheduler.num_slots
+    assert core.scheduler.free_slots == core.scheduler.max_running
 
 
 def test_fan_outs_filling_the_queue_never_refuse_a_single_small_request():

@@ -80,5 +80,5 @@ def test_ten_thousand_requests_through_shared_prefixes_leak_no_block():
     # no per-request state anywhere
     assert not core.scheduler.running and not core.scheduler.waiting
     assert not core._streams and not core._cached and not core._unreleased
-    assert not core.stages.verifier._slots and not core.stages.verifier._params
+    assert not core.stages.verifier._requests
     assert core.stages.output.num_requests == 0

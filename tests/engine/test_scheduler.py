@@ -14,8 +14,8 @@ from pipeline.protocol import EngineCall, StepOutcome
 from pipeline.spec_settings import SpecSettings
 
 
-def make(num_slots=2, max_waiting=3, max_model_len=32, k=4, reserved_slots=0) -> Scheduler:
-    return Scheduler(num_slots, max_waiting, max_model_len, k, vocab_size=100,
+def make(max_running=2, max_waiting=3, max_model_len=32, k=4, reserved_slots=0) -> Scheduler:
+    return Scheduler(max_running, max_waiting, max_model_len, k, vocab_size=100,
                      reserved_slots=reserved_slots)
 
 
@@ -48,7 +48,7 @@ def test_queue_full_raises_overloaded():
 
 
 def test_finished_request_is_released_in_the_next_plan_and_its_slot_reused():
-    s = make(num_slots=1)
+    s = make(max_running=1)
     add(s, "a", [1, 2], SamplingParams(max_new_tokens=5))
     add(s, "b", [3], SamplingParams(max_new_tokens=5))
     plan = s.schedule()
@@ -99,7 +99,7 @@ def test_request_at_its_cap_is_not_scheduled_until_its_finish_arrives():
 
 
 def test_abort_of_waiting_request_removes_it_from_the_queue():
-    s = make(num_slots=1)
+    s = make(max_running=1)
     add(s, "a", [1], SamplingParams())
     add(s, "b", [1], SamplingParams())
     s.schedule()
@@ -126,7 +126,7 @@ def admitted(plan) -> list[str]:
 
 
 def test_a_fan_out_keeps_the_reserved_slot_free_for_a_newcomer():
-    s = make(num_slots=4, max_waiting=64, reserved_slots=1)
+    s = make(max_running=4, max_waiting=64, reserved_slots=1)
     for i in range(16):
         add(s, f"fan-{i}", [1], SamplingParams(max_new_tokens=5), group="fan")
     assert admitted(s.schedule()) == ["fan-0", "fan-1", "fan-2"]  # one slot kept back
@@ -139,17 +139,17 @@ def test_a_fan_out_keeps_the_reserved_slot_free_for_a_newcomer():
 
 
 def test_a_lone_request_may_use_every_slot_when_nothing_is_reserved_or_slots_are_one():
-    s = make(num_slots=3, max_waiting=8)
+    s = make(max_running=3, max_waiting=8)
     for i in range(5):
         add(s, f"fan-{i}", [1], SamplingParams(max_new_tokens=5), group="fan")
     assert admitted(s.schedule()) == ["fan-0", "fan-1", "fan-2"]
-    one = make(num_slots=1, reserved_slots=1)  # the reserve never blocks the only slot
+    one = make(max_running=1, reserved_slots=1)  # the reserve never blocks the only slot
     add(one, "a", [1], SamplingParams(), group="g")
     assert admitted(one.schedule()) == ["a"]
 
 
 def test_freed_slots_go_to_the_group_holding_fewest_then_round_robin():
-    s = make(num_slots=2, max_waiting=16)
+    s = make(max_running=2, max_waiting=16)
     for i in range(4):
         add(s, f"a{i}", [1], SamplingParams(max_new_tokens=5), group="A")
     assert admitted(s.schedule()) == ["a0", "a1"]
@@ -168,12 +168,12 @@ def test_freed_slots_go_to_the_group_holding_fewest_then_round_robin():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("ABCD"), st.booleans()), min_size=1, max_size=40),
        st.integers(1, 5), st.integers(0, 2))
-def test_admission_invariants(events, num_slots, reserve):
+def test_admission_invariants(events, max_running, reserve):
     """Random arrivals (group, then maybe finish the oldest running): slots are never
     oversubscribed, a waiting group holding no slot is never passed over while more than the
     reserve is free, a lone request never while any slot is free, and within a group choices
     start in arrival order."""
-    s = make(num_slots=num_slots, max_waiting=100, reserved_slots=reserve)
+    s = make(max_running=max_running, max_waiting=100, reserved_slots=reserve)
     started: dict[str, list[int]] = {}
     for i, (group, finish) in enumerate(events):
         add(s, f"{group}{i}", [1], SamplingParams(max_new_tokens=5), group=group)
@@ -182,10 +182,10 @@ def test_admission_invariants(events, num_slots, reserve):
         plan = s.schedule()
         for n in plan.new if plan else []:
             started.setdefault(n.rid[0], []).append(int(n.rid[1:]))
-        assert len(s.running) <= num_slots
+        assert len(s.running) <= max_running
         held = {r.group for r in s.running.values()}
         waiting = list(s.waiting)
-        if s.free_slots > min(reserve, num_slots - 1):
+        if s.free_slots > min(reserve, max_running - 1):
             assert all(r.group in held for r in waiting)
         if s.free_slots > 0:
             lone = [r for r in waiting if r.group not in held
