@@ -94,11 +94,11 @@ def test_the_checkpoint_names_map_onto_the_computation(tmp_path, target_embed):
 def test_a_checkpoint_embedding_fc_bias_and_aux_layer_ids_are_used(tmp_path, target_embed):
     t = to_speculators(head_tensors(TARGET, with_embed=True))
     t["fc.bias"] = torch.randn(HIDDEN)  # early speculators heads have one
-    config = speculators_config(TARGET, eagle_aux_hidden_state_layer_ids=[1, 3, 6])
+    config = speculators_config(TARGET, eagle_aux_hidden_state_layer_ids=[6, 1, 3])
     head = load_eagle3_head(str(write_head(tmp_path, config, t)), TARGET, target_embed)
     assert torch.equal(head.embed.weight, t["embed_tokens.weight"])
     assert torch.equal(head.fc.bias, t["fc.bias"])
-    assert head.aux_layer_ids == [1, 3, 6]
+    assert head.aux_layer_ids == [1, 3, 6]  # concatenated in layer order, as captured
 
 
 def test_pytorch_bin_weights_load_as_safetensors_do(tmp_path, target_embed):

@@ -3,11 +3,14 @@ head KV rolls back by length, and batching requests changes nothing."""
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import pytest
 import torch
 from support.eagle3_heads import tiny_target_config, write_layout
 
-from pipeline.draft.eagle3 import Eagle3Drafter, HeadStep, load_eagle3_head
+from pipeline.draft.eagle3 import Eagle3Drafter, HeadDrafts, HeadStep, load_eagle3_head
 from pipeline.models.tiny import tiny_model
 
 TARGET = tiny_target_config()
@@ -105,6 +108,11 @@ def test_drafts_are_target_ids_of_the_draft_vocabulary_and_q_lives_there(head):
     aux, tokens = positions(5, seed=8)
     drafted, probs = fresh(head, aux, tokens, 6)
     assert head.t2d[drafted].all() and all(0 < p <= 1 for p in probs)
+    proposal = HeadDrafts([drafted, []], [probs, []]).to_proposal()
+    assert proposal.tokens == [drafted, []] and proposal.probs is None
+    assert proposal.confidence[0] == pytest.approx(list(itertools.accumulate(probs,
+                                                                             operator.mul)))
+    assert proposal.confidence[1] == []
     q = head.to_target_vocab(torch.softmax(torch.randn(2, head.config.draft_vocab_size), -1))
     assert q.shape == (2, TARGET.vocab_size)
     assert torch.allclose(q.sum(-1), torch.ones(2))

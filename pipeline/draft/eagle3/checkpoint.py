@@ -84,7 +84,7 @@ def check_against_target(config: Eagle3Config, target: ModelConfig) -> list[int]
     if bad:
         raise ValueError(f"{field}: layer ids {bad} of {ids} are out of range for the target's "
                          f"num_layers={target.num_layers} (valid 0..{target.num_layers - 1})")
-    return ids
+    return sorted(ids)  # the target captures, so concatenates, in layer order (as vLLM)
 
 
 def expected_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.draft.eagle3.head import Eagle3Head, HeadKV
+from pipeline.protocol import Proposal
 
 
 @dataclass
@@ -31,6 +32,13 @@ class HeadDrafts:
 
     tokens: list[list[int]]
     probs: list[list[float]]
+
+    def to_proposal(self) -> Proposal:
+        """Point-mass drafts (probs None); confidence j: the head's chance of drafts 0..j."""
+        confidence = [[float(c) for c in torch.tensor(p, dtype=torch.float64).cumprod(0)]
+                      for p in self.probs]
+        return Proposal(tokens=[list(t) for t in self.tokens], probs=None,
+                        confidence=confidence)
 
 
 class Eagle3Drafter:
