@@ -133,6 +133,9 @@ def _shift_d2t(t):
 MISMATCHES = [
     ("hidden size", "eagle", {"target_hidden_size": 48},
      _with("fc.weight", torch.zeros(HIDDEN, 3 * 48)), TARGET, ["target_hidden_size", "48", "64"]),
+    ("hidden size, no target_hidden_size", "speculators",
+     {"transformer_layer_config": layer_config(TARGET, hidden_size=48)}, None, TARGET,
+     ["hidden_size: the head takes hidden states of size 48", "64"]),
     ("vocab size", "eagle", {"vocab_size": 300}, None, TARGET, ["vocab_size", "300", "256"]),
     ("vocab size (speculators)", "speculators",
      {"transformer_layer_config": layer_config(TARGET, vocab_size=512)}, None, TARGET,

@@ -65,7 +65,9 @@ def read_head_config(d: dict[str, Any]) -> Eagle3Config:
 def check_against_target(config: Eagle3Config, target: ModelConfig) -> list[int]:
     """The aux layer ids the target must capture; ValueError on any mismatch."""
     if config.target_hidden_size != target.hidden_size:
-        raise ValueError(f"target_hidden_size: the head takes hidden states of size "
+        field = "target_hidden_size" if config.target_hidden_size != config.hidden_size \
+            else "hidden_size"
+        raise ValueError(f"{field}: the head takes hidden states of size "
                          f"{config.target_hidden_size}, the target's hidden_size is "
                          f"{target.hidden_size}")
     if config.vocab_size != target.vocab_size:
