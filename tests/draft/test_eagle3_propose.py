@@ -123,13 +123,18 @@ def test_a_step_past_what_the_head_holds_or_with_rows_missing_is_refused(head):
     aux, tokens = positions(4, seed=9)
     drafter = Eagle3Drafter(head)
     drafter.add("r")
-    with pytest.raises(ValueError, match="starts at position 2, the head holds 0"):
-        propose_one(drafter, "r", 2, aux, tokens, 2)
+    drafter.add("s")
+    propose_one(drafter, "r", 0, aux, tokens, 1)
+    with pytest.raises(ValueError, match="'s' step starts at position 2, the head holds 0"):
+        drafter.propose(["r", "s"], [HeadStep(1, aux, tokens), HeadStep(2, aux, tokens)], [1, 1])
+    assert drafter.length("r") == 4  # a refused call changes nothing
     with pytest.raises(ValueError, match="4 aux rows and 3 next tokens"):
         propose_one(drafter, "r", 0, aux, tokens[:3], 2)
+    with pytest.raises(ValueError, match="1 rids, 1 steps, 2 ks"):
+        drafter.propose(["r"], [HeadStep(0, aux, tokens)], [1, 1])
     with pytest.raises(ValueError, match="no new position"):
         propose_one(drafter, "r", 0, aux[:0], [], 2)
     with pytest.raises(ValueError, match="already added"):
         drafter.add("r")
     drafter.remove("r")
-    assert drafter.requests() == []
+    assert drafter.requests() == ["s"]

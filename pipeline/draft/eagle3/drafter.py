@@ -68,6 +68,8 @@ class Eagle3Drafter:
     def propose(self, rids: list[str], steps: list[HeadStep], ks: list[int]) -> HeadDrafts:
         """A step starting before what the head holds rolls it back to `start` first; one past
         it is a gap (hidden states never sent) and raises."""
+        if not len(rids) == len(steps) == len(ks):
+            raise ValueError(f"eagle3: {len(rids)} rids, {len(steps)} steps, {len(ks)} ks")
         caches = [self._kv[rid] for rid in rids]
         for rid, cache, step, k in zip(rids, caches, steps, ks):
             if step.start > cache.length:
@@ -78,6 +80,7 @@ class Eagle3Drafter:
                                  f"and {len(step.next_tokens)} next tokens")
             if k > 0 and not step.next_tokens:
                 raise ValueError(f"eagle3: request {rid!r} asks for drafts with no new position")
+        for cache, step in zip(caches, steps):
             cache.truncate(step.start)
         head = self.head
         device = head.fc.weight.device
@@ -98,9 +101,9 @@ class Eagle3Drafter:
             p = torch.softmax(head.logits(last).float(), dim=-1)
             best, draft = p.max(dim=-1)
             target_ids = head.to_target(draft)
-            for row, i in enumerate(active):
-                tokens[i].append(int(target_ids[row]))
-                probs[i].append(float(best[row]))
+            for i, token, prob in zip(active, target_ids.tolist(), best.tolist()):
+                tokens[i].append(token)
+                probs[i].append(prob)
             keep = [row for row, i in enumerate(active) if len(tokens[i]) < ks[i]]
             if not keep:
                 break
