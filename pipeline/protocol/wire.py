@@ -281,14 +281,15 @@ class Codec:
         lines = ["def build(msg):", " got = {}"]
         for i, f in enumerate(sorted(self.fields, key=lambda f: f.attr not in self.first)):
             if type(f.key) is str:
-                raw = f"msg.get({f.key!r})" if f.omit_none else f"msg[{f.key!r}]"
-                name = repr(prefix + f.key)
+                raw, name = f"msg[{f.key!r}]", repr(prefix + f.key)
             else:
                 raw = f"({', '.join(f'msg[{k!r}]' for k in f.key)},)"
                 name = repr(tuple(prefix + k for k in f.key))
             if f.kind.load is not None:
                 env[f"l{i}"] = f.kind.load
                 raw = f"l{i}({raw}, {name}, got)"
+            if f.omit_none:
+                raw = f"{raw} if {f.key!r} in msg else None"
             lines.append(f" got[{f.attr!r}] = {raw}")
         lines.append(" obj = cls(**got)")
         if self.check is not None:
@@ -368,3 +369,20 @@ def ragged(count: Count | None, lo: int, hi: int,
 
     return Kind(lambda v, attr: (to_bin([len(t) for t in v], I32, attr),
                                  to_bin([t for ts in v for t in ts], I32, attr)), load)
+
+
+def column(dtype: np.dtype, count: Count, lo: int | None = None, hi: int | None = None,
+           optional: bool = False) -> Kind:
+    """A numpy column (int64 or float64) as a `dtype` bin of `count` values (ints in [lo, hi]
+    when given; `optional`: or nil)."""
+    wide = np.dtype(np.int64 if dtype.kind == "i" else np.float64)
+
+    def load(raw: Any, name: str, got: dict[str, Any]) -> np.ndarray | None:
+        if optional and raw is None:
+            return None
+        arr = from_bin(raw, dtype, count(got, raw), name).astype(wide)
+        if lo is not None and arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+            raise ProtocolError(f"{name}: values must be in [{lo}, {hi}]")
+        return arr
+
+    return Kind(lambda v, attr: None if v is None else v.astype(dtype).tobytes(), load)
