@@ -1,8 +1,6 @@
-"""The wire rules every message shares: a msgpack map with a version tag, numbers in columns
-as little-endian numpy bytes in a msgpack `bin`, strict checks on the way in; and `Codec`, which
-derives a message's encoder and decoder from one table of its fields (dataclass field, wire key,
-`Kind`). A decoder checks every field before it returns anything: ProtocolError names the field.
-"""
+"""The wire rules every message shares (a msgpack map with a version tag, number columns as
+little-endian `bin`s, strict checks on the way in: ProtocolError naming the field), and `Codec`:
+a message's encoder and decoder from one table of its fields (dataclass field, wire key, kind)."""
 
 from __future__ import annotations
 
@@ -45,7 +43,6 @@ def pack(msg: dict[str, Any]) -> bytes:
 
 
 def unpack(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[str, Any]:
-    """The map a payload holds; ProtocolError when it is not bytes, too big or not msgpack."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > max_bytes:
@@ -57,17 +54,6 @@ def unpack(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise ProtocolError("message must be a map")
     return msg
-
-
-def check_header(msg: dict[str, Any], kind: str, version: int, keys: frozenset[str]) -> None:
-    """The message is a `kind` message of `version` with exactly `keys` (unknown or missing
-    fields are errors: a newer writer must bump the version)."""
-    if msg.get("m") != kind:
-        raise ProtocolError(f"expected a {kind!r} message, got {msg.get('m')!r}")
-    v = msg.get("v")
-    if type(v) is not int or v != version:  # True == 1 and 1.0 == 1: not versions
-        raise ProtocolError(f"{kind}: unsupported version {v!r} (this reader knows {version})")
-    check_keys(msg, keys, kind)
 
 
 def check_keys(msg: Any, keys: frozenset[str], what: str) -> None:
@@ -91,12 +77,6 @@ def want_float(value: Any, name: str, lo: float = -math.inf) -> float:
     return float(value)
 
 
-def want_bool(value: Any, name: str) -> bool:
-    if type(value) is not bool:
-        raise ProtocolError(f"{name} must be a boolean, got {value!r}")
-    return value
-
-
 def want_str(value: Any, name: str, max_chars: int) -> str:
     if type(value) is not str or len(value) > max_chars:
         raise ProtocolError(f"{name} must be a string of at most {max_chars} chars")
@@ -104,7 +84,6 @@ def want_str(value: Any, name: str, max_chars: int) -> str:
 
 
 def want_rids(value: Any, name: str) -> list[str]:
-    """A list of request ids (non-empty strings of at most MAX_RID_CHARS)."""
     if type(value) is not list or len(value) > MAX_BATCH:
         raise ProtocolError(f"{name} must be a list of at most {MAX_BATCH} request ids")
     for rid in value:
@@ -121,7 +100,6 @@ def want_traceparent(value: Any, name: str = "traceparent") -> str | None:
 
 # --- columns ------------------------------------------------------------------------------------
 def to_bin(values: Any, dtype: np.dtype, name: str) -> bytes:
-    """`values` (a list or an array) as `dtype` bytes; ProtocolError when they do not fit."""
     code = _ARRAY_CODES.get(dtype)
     if code is not None and type(values) is list:
         try:
@@ -141,7 +119,6 @@ def to_bin(values: Any, dtype: np.dtype, name: str) -> bytes:
 
 
 def from_bin(raw: Any, dtype: np.dtype, count: int | None, name: str) -> np.ndarray:
-    """The `dtype` array a bin field holds (`count` values, or any number when None)."""
     if type(raw) is not bytes:
         raise ProtocolError(f"{name} must be a bin array")
     _check_size(raw, dtype, count, name)
@@ -157,7 +134,6 @@ def _check_size(raw: bytes, dtype: np.dtype, count: int | None, name: str) -> No
 
 def int_list(raw: Any, count: int | None, name: str, lo: int = 0, hi: int = INT32_MAX
              ) -> list[int]:
-    """An int32 bin field as a list of ints in [lo, hi]."""
     if _ARRAY_CODES and type(raw) is bytes and len(raw) <= 4096:  # short: no numpy
         _check_size(raw, I32, count, name)
         values = array("i", raw).tolist()
@@ -171,7 +147,6 @@ def int_list(raw: Any, count: int | None, name: str, lo: int = 0, hi: int = INT3
 
 
 def float_list(raw: Any, count: int | None, name: str, upper_inf: bool = False) -> list[float]:
-    """A float64 bin field of finite values (or +inf, with `upper_inf`) as a list."""
     if type(raw) is not bytes:
         raise ProtocolError(f"{name} must be a bin array")
     _check_size(raw, F64, count, name)
@@ -183,7 +158,6 @@ def float_list(raw: Any, count: int | None, name: str, upper_inf: bool = False) 
 
 
 def split(flat: list[Any], lengths: list[int]) -> list[list[Any]]:
-    """`flat` cut into consecutive runs of `lengths` (their sum is len(flat))."""
     out, a = [], 0
     for n in lengths:
         out.append(flat[a : a + n])
@@ -192,31 +166,29 @@ def split(flat: list[Any], lengths: list[int]) -> list[list[Any]]:
 
 
 # --- declarative codecs -------------------------------------------------------------------------
-Dump = Callable[[Any, str], Any]  # (field value, field name) -> wire value (a tuple: several keys)
-Load = Callable[[Any, Any, dict[str, Any]], Any]  # (wire value(s), name(s), fields so far) -> value
-Count = Callable[[dict[str, Any], Any], int | None]  # (fields so far, wire value) -> values in it
+Dump = Callable[[Any, str], Any]  # (value, field name) -> wire value (a tuple: several keys)
+Load = Callable[[Any, Any, dict[str, Any]], Any]  # (wire value(s), name(s), fields so far)
+Count = Callable[[dict[str, Any], Any], int | None]  # (fields so far, wire value) -> its length
 
 
 @dataclass(frozen=True)
 class Kind:
-    dump: Dump | None = None  # None: the value goes as it is
-    load: Load | None = None  # None: taken as it is (a check of the whole message follows)
+    dump: Dump | None = None  # None: as it is
+    load: Load | None = None
 
 
 @dataclass(frozen=True)
 class Field:
     attr: str
-    key: str | tuple[str, ...]  # several keys: the kind's dump returns, its load takes, a tuple
+    key: str | tuple[str, ...]
     kind: Kind = Kind()
-    omit_none: bool = False  # left off the map when None (an optional key)
+    omit_none: bool = False  # an optional key: left off when None
 
 
 class Codec:
-    """A message class's wire form: `header` ({"v": version, "m": kind} in wire order), then
-    `fields` in order. `before(obj)` checks what a field alone cannot on the way out; `check(obj,
-    where)` what it cannot on the way in. The encoder and decoder are generated from the table
-    (as `dataclasses` generates `__init__`): these run per step, and a loop over the table would
-    cost a fifth more than hand-written code."""
+    """`header` ({"v": version, "m": kind}) then `fields`, in wire order; `before(obj)` and
+    `check(obj, where)` check across fields. Its functions are generated from the table (as
+    dataclasses' `__init__`): they run per step, and a loop over the table cost a fifth more."""
 
     def __init__(self, cls: type, header: dict[str, Any], fields: list[Field],
                  before: Callable[[Any], None] | None = None,
@@ -224,17 +196,17 @@ class Codec:
                  max_bytes: int = MAX_PAYLOAD_BYTES, what: str = "", first: tuple[str, ...] = ()
                  ) -> None:
         self.cls, self.header, self.fields = cls, header, fields
-        self.first = first  # the fields decoded first (a later one's checks read them)
+        self.first = first  # decoded first: a field before them reads them
         self.before, self.check, self.max_bytes = before, check, max_bytes
         self.what = what or header.get("m", cls.__name__)
         self.body_keys = frozenset(k for f in fields for k in _keys(f))
         self.keys = self.body_keys | set(header)
         self.required = self.keys - {f.key for f in fields if f.omit_none}
-        self.body = self._compile_body()
+        if [f.omit_none for f in fields] != sorted(f.omit_none for f in fields):
+            raise ValueError("optional keys come last")
+        self.body = self._compile_body({})
+        self.encode: Callable[[Any], bytes] = self._compile_body(header)
         self._builds = {self.what: self._compile_build(self.what)}
-
-    def encode(self, obj: Any) -> bytes:
-        return pack(self.body(obj, dict(self.header)))
 
     def decode(self, payload: Any) -> Any:
         msg = unpack(payload, self.max_bytes)
@@ -249,7 +221,6 @@ class Codec:
         return self._builds[self.what](msg)
 
     def load_body(self, raw: Any, where: str) -> Any:
-        """A message nested in another (no header), its fields named under `where`."""
         if type(raw) is not dict or raw.keys() != self.body_keys:
             check_keys(raw, self.body_keys, where)
         build = self._builds.get(where)
@@ -257,9 +228,9 @@ class Codec:
             build = self._builds[where] = self._compile_build(where)
         return build(raw)
 
-    def _compile_body(self) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
-        env: dict[str, Any] = {"before": self.before}
-        lines = ["def body(obj, msg=None):", " msg = {} if msg is None else msg"]
+    def _compile_body(self, header: dict[str, Any]) -> Callable[..., Any]:
+        env: dict[str, Any] = {"before": self.before, "pack": pack}
+        lines, items, late = ["def f(obj):"], [f"{k!r}: {v!r}" for k, v in header.items()], []
         if self.before is not None:
             lines.append(" before(obj)")
         for i, f in enumerate(self.fields):
@@ -267,13 +238,16 @@ class Codec:
             if f.kind.dump is not None:
                 env[f"d{i}"] = f.kind.dump
                 value = f"d{i}({value}, {f.attr!r})"
-            if type(f.key) is not str:  # targets are assigned left to right: the keys' order
-                lines.append(f" {', '.join(f'msg[{k!r}]' for k in f.key)} = {value}")
+            if type(f.key) is not str:
+                lines.append(f" t{i} = {value}")
+                items += [f"{k!r}: t{i}[{j}]" for j, k in enumerate(f.key)]
             elif f.omit_none:
-                lines.append(f" x = {value}\n if x is not None: msg[{f.key!r}] = x")
+                late.append(f" x = {value}\n if x is not None: msg[{f.key!r}] = x")
             else:
-                lines.append(f" msg[{f.key!r}] = {value}")
-        return _define(lines + [" return msg"], env)["body"]
+                items.append(f"{f.key!r}: {value}")
+        lines += [f" msg = {{{', '.join(items)}}}", *late]
+        lines.append(" return pack(msg)" if header else " return msg")
+        return _define(lines, env)["f"]
 
     def _compile_build(self, where: str) -> Callable[[dict[str, Any]], Any]:
         prefix = f"{where}." if where else ""
@@ -307,15 +281,11 @@ def _define(lines: list[str], env: dict[str, Any]) -> dict[str, Any]:
 
 
 def per(attr: str, or_none: bool = False) -> Count:
-    """One value per item of the field `attr` decoded before (`or_none`: or none, an empty bin)."""
     return lambda got, raw: 0 if or_none and raw == b"" else len(got[attr])
 
 
-PLAIN = Kind()
-
 
 def integer(lo: int = 0, hi: int = INT32_MAX, optional: bool = False) -> Kind:
-    """An int in [lo, hi] (`optional`: or nil)."""
     def load(raw: Any, name: str, got: dict[str, Any]) -> int | None:
         if type(raw) is int and lo <= raw <= hi or optional and raw is None:
             return raw
@@ -325,7 +295,6 @@ def integer(lo: int = 0, hi: int = INT32_MAX, optional: bool = False) -> Kind:
 
 
 def number(lo: float = -math.inf, optional: bool = False) -> Kind:
-    """A finite number >= lo (`optional`: or nil), as a float."""
     def load(raw: Any, name: str, got: dict[str, Any]) -> float | None:
         if type(raw) is float and lo <= raw < math.inf or optional and raw is None:
             return raw
@@ -344,7 +313,6 @@ TRACEPARENT = Kind(None, lambda raw, name, got: want_traceparent(raw, name))
 
 
 def ints(count: Count | None = None, lo: int = 0, hi: int = INT32_MAX) -> Kind:
-    """A list of ints as an int32 bin (`count` of them, or any number)."""
     return Kind(lambda v, attr: to_bin(v, I32, attr),
                 lambda raw, name, got: int_list(raw, count and count(got, raw), name, lo, hi))
 
@@ -356,8 +324,7 @@ def floats(count: Count | None = None, upper_inf: bool = False) -> Kind:
 
 def ragged(count: Count | None, lo: int, hi: int,
            check: Callable[[list[int], dict[str, Any]], None] | None = None) -> Kind:
-    """Lists of ints as two int32 bins: their lengths (in [lo, hi]; `check` may ask more), then
-    all of them in a row."""
+    """Lists of ints as two int32 bins: their lengths, then all of them in a row."""
     def load(raw: tuple[Any, Any], names: tuple[str, str], got: dict[str, Any]
              ) -> list[list[int]]:
         lengths = int_list(raw[0], count and count(got, raw[0]), names[0], lo, hi)
@@ -373,8 +340,7 @@ def ragged(count: Count | None, lo: int, hi: int,
 
 def column(dtype: np.dtype, count: Count, lo: int | None = None, hi: int | None = None,
            optional: bool = False) -> Kind:
-    """A numpy column (int64 or float64) as a `dtype` bin of `count` values (ints in [lo, hi]
-    when given; `optional`: or nil)."""
+    """A numpy column (int64 or float64 in memory) as a `dtype` bin."""
     wide = np.dtype(np.int64 if dtype.kind == "i" else np.float64)
 
     def load(raw: Any, name: str, got: dict[str, Any]) -> np.ndarray | None:
