@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.params import GRAMMAR_KINDS, Grammar, SamplingParams
+from pipeline.protocol import wire
 from pipeline.protocol.messages import NewRequest, Proposal, RankReport, StepOutcome, StepPlan
 from pipeline.protocol.wire import (
     F32,
@@ -61,6 +62,7 @@ SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos",
                    "include_stop_str_in_output", "skip_special_tokens", "logprobs", "temperature",
                    "top_p", "top_k", "seed", "min_new_tokens", "grammar")
 _PARAM_KEYS = frozenset(SAMPLING_FIELDS)
+pack, unpack = wire.pack, wire.unpack  # (as before: a test reads raw maps with these)
 _GRAMMAR_KEYS = frozenset({"kind", "compiled"})
 
 
