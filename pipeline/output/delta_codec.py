@@ -99,32 +99,32 @@ def encode_deltas(deltas: list[RequestOutput]) -> bytes:
 
 
 def decode_deltas(payload: Any) -> list[RequestOutput]:
-    c = DELTAS.decode(payload)
-    lens, hist_lens, has_lp, has_top, finished, vct, acc, dft = c.rows
+    rids, texts, rows, ints, lps, rare = DELTAS.decode(payload)
+    lens, hist_lens, has_lp, has_top, finished, vct, acc, dft = rows
     top_lens = list(compress(lens, has_top))
     n_tok, n_tn, n_h = sum(lens), sum(top_lens), sum(hist_lens)
-    tok, top_n = c.ints[:n_tok], c.ints[n_tok:n_tok + n_tn]
+    top_n = ints[n_tok:n_tok + n_tn]
     n_pairs = sum(top_n)
-    if len(c.ints) != n_tok + n_tn + n_pairs + n_h:
-        raise ProtocolError(f"deltas.ints: {len(c.ints)} values, the rows say "
+    if len(ints) != n_tok + n_tn + n_pairs + n_h:
+        raise ProtocolError(f"deltas.ints: {len(ints)} values, the rows say "
                             f"{n_tok + n_tn + n_pairs + n_h}")
     lp_lens = list(compress(lens, has_lp))
     n_lp = sum(lp_lens)
-    if len(c.lps) != n_lp + n_pairs:
+    if len(lps) != n_lp + n_pairs:
         raise ProtocolError(f"deltas.lps: expected {n_lp + n_pairs} float64 values, got "
-                            f"{len(c.lps)}")
-    top_ids = c.ints[n_tok + n_tn:n_tok + n_tn + n_pairs]
-    hists = split(c.ints[n_tok + n_tn + n_pairs:], hist_lens)
-    tok_rows = split(tok, lens)
-    lp_iter = iter(split(c.lps[:n_lp], lp_lens))
-    top_iter = iter(split(split(list(zip(top_ids, c.lps[n_lp:])), top_n), top_lens))
-    out, texts = [], c.text
-    for i, rid in enumerate(c.rid):  # positional: RequestOutput's order is DELTA_FIELDS'
+                            f"{len(lps)}")
+    tok_rows = split(ints[:n_tok], lens)
+    hists = split(ints[n_tok + n_tn + n_pairs:], hist_lens)
+    lp_iter = iter(split(lps[:n_lp], lp_lens))
+    top_pairs = list(zip(ints[n_tok + n_tn:n_tok + n_tn + n_pairs], lps[n_lp:]))
+    top_iter = iter(split(split(top_pairs, top_n), top_lens))
+    out = []
+    for i, rid in enumerate(rids):  # positional: RequestOutput's order is DELTA_FIELDS'
         out.append(RequestOutput(
             rid, tok_rows[i], texts[i], next(lp_iter) if has_lp[i] else None,
             next(top_iter) if has_top[i] else None, finished[i] == 1, None, None, None, None,
             None, vct[i], acc[i], hists[i], dft[i]))
-    for i, values in c.rare.items():
+    for i, values in rare.items():
         out[i].__dict__.update(zip(RARE_FIELDS, values))
     return out
 

@@ -211,7 +211,9 @@ def _check_plan(plan: StepPlan, where: str) -> None:
 
 
 def _before_proposal(p: Proposal) -> None:
-    counts = [len(t) for t in p.tokens]
+    if p.probs is None and p.confidence is None:
+        return
+    counts = list(map(len, p.tokens))
     if p.probs is not None:
         if len(p.probs) != len(counts):
             raise ProtocolError("proposal.probs must have one entry per request")
