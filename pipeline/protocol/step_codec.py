@@ -62,8 +62,8 @@ SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos",
                    "include_stop_str_in_output", "skip_special_tokens", "logprobs", "temperature",
                    "top_p", "top_k", "seed", "min_new_tokens", "grammar")
 _PARAM_KEYS = frozenset(SAMPLING_FIELDS)
-pack, unpack = wire.pack, wire.unpack  # (as before: a test reads raw maps with these)
 _GRAMMAR_KEYS = frozenset({"kind", "compiled"})
+pack, unpack = wire.pack, wire.unpack  # (as before: a test reads raw maps with these)
 
 
 # --- kinds of these messages' fields -------------------------------------------------------------
