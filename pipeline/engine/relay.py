@@ -19,34 +19,34 @@ from typing import Any, NamedTuple
 from pipeline.errors import EngineDeadError
 from pipeline.output.delta_codec import decode_deltas, encode_deltas
 from pipeline.output.request_output import RequestOutput
-from pipeline.protocol.wire import ProtocolError, check_header, pack, unpack
+from pipeline.protocol.wire import Codec, Field, Kind, ProtocolError
 
 RELAY_VERSION = 1
-_KEYS = frozenset({"m", "v", "deltas", "errors"})
-
 
 class RelayMessage(NamedTuple):
     deltas: bytes  # pipeline.output.delta_codec
     errors: list[tuple[str, str]]  # (rid, EngineDeadError's message): the engine's only error
 
 
-def encode_relay(message: RelayMessage) -> bytes:
-    """A relay message as msgpack (the same wire rules as the step messages)."""
-    return pack({"m": "relay", "v": RELAY_VERSION, "deltas": message.deltas,
-                 "errors": [list(e) for e in message.errors]})
+def _load_deltas(raw: Any, name: str, got: dict[str, Any]) -> bytes:
+    if type(raw) is not bytes:
+        raise ProtocolError(f"{name} must be bytes")
+    return raw
 
 
-def decode_relay(payload: Any) -> RelayMessage:
-    """ProtocolError, naming the field, for anything but a well-formed relay message."""
-    msg = unpack(payload)
-    check_header(msg, "relay", RELAY_VERSION, _KEYS)
-    deltas, errors = msg["deltas"], msg["errors"]
-    if type(deltas) is not bytes:
-        raise ProtocolError("relay.deltas must be bytes")
-    if type(errors) is not list or not all(
-            type(e) is list and len(e) == 2 and all(type(x) is str for x in e) for e in errors):
-        raise ProtocolError("relay.errors must be a list of [request id, reason] pairs")
-    return RelayMessage(deltas, [(rid, why) for rid, why in errors])
+def _load_errors(raw: Any, name: str, got: dict[str, Any]) -> list[tuple[str, str]]:
+    if type(raw) is not list or not all(
+            type(e) is list and len(e) == 2 and all(type(x) is str for x in e) for e in raw):
+        raise ProtocolError(f"{name} must be a list of [request id, reason] pairs")
+    return [(rid, why) for rid, why in raw]
+
+
+RELAY = Codec(RelayMessage, {"m": "relay", "v": RELAY_VERSION}, [
+    Field("deltas", "deltas", Kind(None, _load_deltas)),
+    Field("errors", "errors", Kind(lambda v, attr: [list(e) for e in v], _load_errors)),
+])
+encode_relay = RELAY.encode
+decode_relay = RELAY.decode  # ProtocolError, naming the field, for anything malformed
 
 
 class OutputChannel:

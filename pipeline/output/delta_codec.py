@@ -1,32 +1,13 @@
-"""The output stage's deltas (`RequestOutput`) as versioned msgpack, for the output actor -> engine
-arrow: the same wire rules as the step messages (pipeline.protocol.wire), so no pickled object
-crosses between the stage actors.
-
-A message holds one step's deltas in columns, as the step messages do. For B deltas:
-
-    rid   [str] (B)
-    text  [str] (B)
-    rows  bin i64[8 B]: ROW_COLUMNS one after the other, B values each: len (token ids),
-          hn (histogram length), lp / top / fin (0|1: has logprobs / top_logprobs, finished),
-          vct / acc / dft (spec_verify_ct, spec_accepted_tokens, spec_draft_tokens)
-    ints  bin i32: one after the other, tok (sum len), tn (alternatives per token of the deltas
-          with top, sum of their len), tid (sum tn), h (sum hn)
-    lps   bin f64: lpv (the logprobs of the deltas with lp, sum of their len), tlp (sum tn)
-    rare  [[row, finish_reason, finish_kind, matched_stop, finished_len, finish_step, error,
-          cached_tokens]] for the rows where one of those is set (ascending rows)
-
-Three typed blocks, not a map per delta or a bin per field: a step's 256 deltas are checked in a
-few passes over whole columns (v1's per-delta checks cost the engine 5 us a delta, more than the
-output stage spends making it), while a message of one delta (the replica's relay) costs a few
-microseconds more than v1's (docs/benchmarks.md). Decoding checks every field before it builds a
-delta (ProtocolError naming the field), so a bad payload yields nothing half-built.
+"""The output stage's deltas (`RequestOutput`) as versioned msgpack, output actor -> engine,
+in typed columns, not a map per delta (that cost the engine 5 us a delta): `rows` (ROW_COLUMNS,
+B int64 each), `ints` (tok, tn, tid, h), `lps` (lpv, tlp), `rare` ([row, *RARE] where one is set).
 """
 
 from __future__ import annotations
 
 import math
 from itertools import compress
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.output.request_output import RequestOutput
 from pipeline.protocol.wire import (
@@ -36,34 +17,49 @@ from pipeline.protocol.wire import (
     INT32_MAX,
     MAX_BATCH,
     MAX_RID_CHARS,
+    Codec,
+    Field,
+    Kind,
     ProtocolError,
-    check_header,
     from_bin,
     int_list,
-    pack,
     split,
     to_bin,
-    unpack,
     want_int,
     want_str,
 )
 
 DELTAS_VERSION = 2  # 2: columns (1: one array per delta)
-# RequestOutput's fields, in order: a field added to RequestOutput must get a column (or a place
-# in `rare`) and the version bumped (a test compares the two).
+# RequestOutput's fields in order (a test compares): a new one gets a column or a RARE line
 DELTA_FIELDS = ("rid", "token_ids", "text", "logprobs", "top_logprobs", "finished",
                 "finish_reason", "finish_kind", "matched_stop", "finished_len", "finish_step",
                 "spec_verify_ct", "spec_accepted_tokens", "spec_acceptance_histogram",
                 "spec_draft_tokens", "error", "cached_tokens")
 ROW_COLUMNS = ("len", "hn", "lp", "top", "fin", "vct", "acc", "dft")
-RARE_FIELDS = ("finish_reason", "finish_kind", "matched_stop", "finished_len", "finish_step",
-               "error", "cached_tokens")
-_PLAIN = (None,) * len(RARE_FIELDS)
 _LIMIT = (1 << 62) - 1
-_ROW_MAX = {"len": INT32_MAX, "hn": INT32_MAX, "lp": 1, "top": 1, "fin": 1, "vct": _LIMIT,
-            "acc": _LIMIT, "dft": _LIMIT}
-_KEYS = frozenset({"v", "m", "rid", "text", "rows", "ints", "lps", "rare"})
+_ROW_MAX = (INT32_MAX, INT32_MAX, 1, 1, 1, _LIMIT, _LIMIT, _LIMIT)
 MAX_TEXT_CHARS = 1 << 24
+
+
+_text = lambda v, name: want_str(v, name, 4096)
+_count = lambda v, name: want_int(v, name, 0, _LIMIT)
+# The fields most deltas leave None, sent only for the rows that set one: field -> its check.
+RARE = {"finish_reason": _text, "finish_kind": _text,
+        "matched_stop": lambda v, name: type(v) is str or want_int(v, name, -_LIMIT, _LIMIT),
+        "finished_len": _count, "finish_step": _count, "error": _text, "cached_tokens": _count}
+RARE_FIELDS = tuple(RARE)
+# the RARE values of a delta: attribute loads, not attrgetter (a third of the encoder's time)
+_rare_of = eval(f"lambda d: ({''.join(f'd.{f}, ' for f in RARE)})")
+_PLAIN = (None,) * len(RARE_FIELDS)
+
+
+class _Columns(NamedTuple):
+    rid: list[str]
+    text: list[str]
+    rows: list[list[int]]
+    ints: list[int]
+    lps: list[float]
+    rare: Any  # out: rows [i, *RARE values]; in: {i: RARE values}
 
 
 def encode_deltas(deltas: list[RequestOutput]) -> bytes:
@@ -80,8 +76,7 @@ def encode_deltas(deltas: list[RequestOutput]) -> bytes:
             for per_token in d.top_logprobs:
                 top_n.append(len(per_token))
                 top_pairs += per_token
-        r = (d.finish_reason, d.finish_kind, d.matched_stop, d.finished_len, d.finish_step,
-             d.error, d.cached_tokens)
+        r = _rare_of(d)
         if r != _PLAIN:
             rare.append([i, *r])
     top_ids, top_lps = zip(*top_pairs) if top_pairs else ((), ())
@@ -99,65 +94,53 @@ def encode_deltas(deltas: list[RequestOutput]) -> bytes:
     ints += [c for d in deltas for c in d.spec_acceptance_histogram]
     lps = [x for row in lp_rows for x in row]
     lps += top_lps
-    return pack({"v": DELTAS_VERSION, "m": "deltas", "rid": [d.rid for d in deltas],
-                 "text": [d.text for d in deltas], "rows": to_bin(rows, I64, "deltas.rows"),
-                 "ints": to_bin(ints, I32, "deltas.ints"), "lps": to_bin(lps, F64, "deltas.lps"),
-                 "rare": rare})
+    return DELTAS.encode(_Columns([d.rid for d in deltas], [d.text for d in deltas], rows, ints,
+                                  lps, rare))
 
 
 def decode_deltas(payload: Any) -> list[RequestOutput]:
-    msg = unpack(payload)
-    check_header(msg, "deltas", DELTAS_VERSION, _KEYS)
-    rids, texts = msg["rid"], msg["text"]
-    if type(rids) is not list or len(rids) > MAX_BATCH:
-        raise ProtocolError(f"deltas.rid must be a list of at most {MAX_BATCH} request ids")
-    b = len(rids)
-    _check_strs(rids, "deltas.rid", MAX_RID_CHARS, 1)
-    if type(texts) is not list or len(texts) != b:
-        raise ProtocolError(f"deltas.text must be a list of {b} strings")
-    _check_strs(texts, "deltas.text", MAX_TEXT_CHARS, 0)
-    lens, hist_lens, has_lp, has_top, finished, vct, acc, dft = _rows(msg["rows"], b)
+    rids, texts, rows, ints, lps, rare = DELTAS.decode(payload)
+    lens, hist_lens, has_lp, has_top, finished, vct, acc, dft = rows
     top_lens = list(compress(lens, has_top))
     n_tok, n_tn, n_h = sum(lens), sum(top_lens), sum(hist_lens)
-    ints = int_list(msg["ints"], None, "deltas.ints")
-    tok, top_n = ints[:n_tok], ints[n_tok:n_tok + n_tn]
+    top_n = ints[n_tok:n_tok + n_tn]
     n_pairs = sum(top_n)
     if len(ints) != n_tok + n_tn + n_pairs + n_h:
         raise ProtocolError(f"deltas.ints: {len(ints)} values, the rows say "
                             f"{n_tok + n_tn + n_pairs + n_h}")
-    top_ids = ints[n_tok + n_tn:n_tok + n_tn + n_pairs]
-    hists = split(ints[n_tok + n_tn + n_pairs:], hist_lens)
     lp_lens = list(compress(lens, has_lp))
     n_lp = sum(lp_lens)
-    lps = _f64_list(msg["lps"], n_lp + n_pairs, "deltas.lps")
-    rare = _rare(msg["rare"], b)
-    # Everything is checked: build the deltas.
-    tok_rows = split(tok, lens)
+    if len(lps) != n_lp + n_pairs:
+        raise ProtocolError(f"deltas.lps: expected {n_lp + n_pairs} float64 values, got "
+                            f"{len(lps)}")
+    tok_rows = split(ints[:n_tok], lens)
+    hists = split(ints[n_tok + n_tn + n_pairs:], hist_lens)
     lp_iter = iter(split(lps[:n_lp], lp_lens))
-    top_iter = iter(split(split(list(zip(top_ids, lps[n_lp:])), top_n), top_lens))
+    top_pairs = list(zip(ints[n_tok + n_tn:n_tok + n_tn + n_pairs], lps[n_lp:]))
+    top_iter = iter(split(split(top_pairs, top_n), top_lens))
     out = []
-    for i in range(b):
-        r = rare.get(i, _PLAIN)
+    for i, rid in enumerate(rids):  # positional: RequestOutput's order is DELTA_FIELDS'
         out.append(RequestOutput(
-            rids[i], tok_rows[i], texts[i],
-            next(lp_iter) if has_lp[i] else None,
-            next(top_iter) if has_top[i] else None,
-            finished[i] == 1, r[0], r[1], r[2], r[3], r[4],
-            vct[i], acc[i], hists[i], dft[i], r[5], r[6]))
+            rid, tok_rows[i], texts[i], next(lp_iter) if has_lp[i] else None,
+            next(top_iter) if has_top[i] else None, finished[i] == 1, None, None, None, None,
+            None, vct[i], acc[i], hists[i], dft[i]))
+    for i, values in rare.items():
+        out[i].__dict__.update(zip(RARE_FIELDS, values))
     return out
 
 
-def _rows(raw: Any, b: int) -> list[list[int]]:
-    """The ROW_COLUMNS of `b` deltas, each checked: lengths in int32, flags 0|1, counts >= 0."""
-    values = from_bin(raw, I64, len(ROW_COLUMNS) * b, "deltas.rows").tolist()
-    cols = split(values, [b] * len(ROW_COLUMNS))
-    if values and min(values) < 0:
-        name = ROW_COLUMNS[values.index(min(values)) // b]
-        raise ProtocolError(f"deltas.rows.{name}: values must be >= 0")
-    for name, col in zip(ROW_COLUMNS, cols):
-        if col and max(col) > _ROW_MAX[name]:
-            raise ProtocolError(f"deltas.rows.{name}: values must be in [0, {_ROW_MAX[name]}]")
-    return cols
+def _load_rids(raw: Any, name: str, got: dict[str, Any]) -> list[str]:
+    if type(raw) is not list or len(raw) > MAX_BATCH:
+        raise ProtocolError(f"{name} must be a list of at most {MAX_BATCH} request ids")
+    _check_strs(raw, name, MAX_RID_CHARS, 1)
+    return raw
+
+
+def _load_texts(raw: Any, name: str, got: dict[str, Any]) -> list[str]:
+    if type(raw) is not list or len(raw) != len(got["rid"]):
+        raise ProtocolError(f"{name} must be a list of {len(got['rid'])} strings")
+    _check_strs(raw, name, MAX_TEXT_CHARS, 0)
+    return raw
 
 
 def _check_strs(values: list[Any], name: str, max_chars: int, min_chars: int) -> None:
@@ -167,37 +150,51 @@ def _check_strs(values: list[Any], name: str, max_chars: int, min_chars: int) ->
                                 f"{max_chars} chars")
 
 
-def _f64_list(raw: Any, count: int, name: str) -> list[float]:
-    """A float64 bin field with no NaN (logprobs may be -inf) as a list."""
-    values = from_bin(raw, F64, count, name).tolist()
+def _load_rows(raw: Any, name: str, got: dict[str, Any]) -> list[list[int]]:
+    """The ROW_COLUMNS of the deltas, each checked: lengths in int32, flags 0|1, counts >= 0."""
+    b = len(got["rid"])
+    values = from_bin(raw, I64, len(ROW_COLUMNS) * b, name).tolist()
+    cols = split(values, [b] * len(ROW_COLUMNS))
+    if values and min(values) < 0:
+        raise ProtocolError(f"{name}.{ROW_COLUMNS[values.index(min(values)) // b]}: values "
+                            "must be >= 0")
+    for col_name, col, most in zip(ROW_COLUMNS, cols, _ROW_MAX):
+        if col and max(col) > most:
+            raise ProtocolError(f"{name}.{col_name}: values must be in [0, {most}]")
+    return cols
+
+
+def _load_lps(raw: Any, name: str, got: dict[str, Any]) -> list[float]:
+    values = from_bin(raw, F64, None, name).tolist()
     # one C-level sum finds any NaN (or -inf + inf); only then look value by value
     if math.isnan(sum(values)) and any(map(math.isnan, values)):
         raise ProtocolError(f"{name}: NaN")
     return values
 
 
-def _rare(raw: Any, b: int) -> dict[int, tuple[Any, ...]]:
-    """`rare`'s rows by delta index, each RARE_FIELDS' values, checked."""
+def _load_rare(raw: Any, name: str, got: dict[str, Any]) -> dict[int, tuple[Any, ...]]:
+    b = len(got["rid"])
     if type(raw) is not list or len(raw) > b:
-        raise ProtocolError(f"deltas.rare must be a list of at most {b} rows")
+        raise ProtocolError(f"{name} must be a list of at most {b} rows")
     out: dict[int, tuple[Any, ...]] = {}
     last = -1
     for row in raw:
-        if type(row) is not list or len(row) != 1 + len(RARE_FIELDS):
-            raise ProtocolError(f"deltas.rare: each row must be an array of "
-                                f"{1 + len(RARE_FIELDS)} fields")
-        i = want_int(row[0], "deltas.rare.row", last + 1, b - 1)
-        last = i
-        where = f"deltas.rare[{i}]"
-        reason, kind, stop, fin_len, fin_step, error, cached = row[1:]
-        for name, value in (("finish_reason", reason), ("finish_kind", kind), ("error", error)):
+        if type(row) is not list or len(row) != 1 + len(RARE):
+            raise ProtocolError(f"{name}: each row must be an array of {1 + len(RARE)} fields")
+        last = i = want_int(row[0], f"{name}.row", last + 1, b - 1)
+        for (field, check), value in zip(RARE.items(), row[1:]):
             if value is not None:
-                want_str(value, f"{where}.{name}", 4096)
-        if stop is not None and type(stop) is not str:
-            want_int(stop, f"{where}.matched_stop", -_LIMIT, _LIMIT)
-        for name, value in (("finished_len", fin_len), ("finish_step", fin_step),
-                            ("cached_tokens", cached)):
-            if value is not None:
-                want_int(value, f"{where}.{name}", 0, _LIMIT)
-        out[i] = (reason, kind, stop, fin_len, fin_step, error, cached)
+                check(value, f"{name}[{i}].{field}")
+        out[i] = tuple(row[1:])
     return out
+
+
+DELTAS = Codec(_Columns, {"v": DELTAS_VERSION, "m": "deltas"}, [
+    Field("rid", "rid", Kind(None, _load_rids)),
+    Field("text", "text", Kind(None, _load_texts)),
+    Field("rows", "rows", Kind(lambda v, attr: to_bin(v, I64, "deltas.rows"), _load_rows)),
+    Field("ints", "ints", Kind(lambda v, attr: to_bin(v, I32, "deltas.ints"),
+                               lambda raw, name, got: int_list(raw, None, name))),
+    Field("lps", "lps", Kind(lambda v, attr: to_bin(v, F64, "deltas.lps"), _load_lps)),
+    Field("rare", "rare", Kind(None, _load_rare)),
+])

@@ -32,7 +32,6 @@ from pipeline.protocol.step_codec import (
     encode_rank_report,
 )
 from pipeline.protocol.verify_step import (
-    _KEYS,
     MAX_TOP_N,
     PROTOCOL_VERSION,
     StepColumns,
@@ -55,7 +54,7 @@ from pipeline.protocol.wire import (
 __all__ = [
     "MAX_BATCH", "MAX_DRAFTED", "MAX_PAYLOAD_BYTES", "MAX_RID_CHARS", "MAX_TOP_N",
     "NEW_REQUEST_VERSION", "OUTCOME_VERSION", "PLAN_VERSION", "PROPOSAL_VERSION",
-    "PROTOCOL_VERSION", "RANK_REPORT_VERSION", "SAMPLING_FIELDS", "_KEYS", "EngineCall",
+    "PROTOCOL_VERSION", "RANK_REPORT_VERSION", "SAMPLING_FIELDS", "EngineCall",
     "NewRequest", "Proposal", "ProtocolError", "RankReport",
     "StepColumns", "StepOutcome", "StepPlan", "VerifyStep", "columns_from_step",
     "decode", "decode_columns", "decode_new_request", "decode_outcome", "decode_plan",

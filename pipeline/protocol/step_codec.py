@@ -1,25 +1,8 @@
-"""The engine <-> stage messages (pipeline.protocol.messages) as versioned msgpack.
-
-Every message is a map with `v` (its version) and `m` (its kind); int columns are int32 `bin`,
-float columns float64 `bin` (draft probabilities float32), so a plain `msgpack.unpackb` reads
-every message into dicts, lists, strings, numbers and bytes. Wire layouts (B requests):
-
-    new       rid str, prompt bin i32, params {every SamplingParams field; grammar nil or
-              {kind, compiled}}, tenant str, nout int, chunk int >= 1 | nil
-    plan      step int, rel [rid], new [{rid, prompt, params, ...}], pre [rid] (P of them),
-              pst/pend bin i32[P] (0 <= start < end), dec [rid] (D of them),
-              last/kv/nout/ks bin i32[D], caps bin i32[D or 0], gain bin f64[D or 0] (+inf:
-              no draft can reach the floor),
-              com/fin {rid: bin i32}, tp str|nil
-    proposal  n bin i32[B] drafts per request, tok bin i32[sum n], pm nil | bin u8[B] (1: the
-              request has q), pv int vocab, pq nil | bin f32[sum n of flagged * pv],
-              cf nil | bin f64[sum n] confidence, s float seconds
-    outcome   step int, rids [rid], len bin i32[B], tok bin i32[sum len], draft bin i32[B],
-              exp nil | [float|nil] (B), ds float|nil, cached bin i32[P], kvd bin (KV digest)
-    rank      step int, rank int, kvd bin (a verifier rank > 0 after a step)
-
-Decoders check everything before building anything: ProtocolError names the first broken rule.
-"""
+"""The engine <-> stage messages (pipeline.protocol.messages) as versioned msgpack: each one's
+table below is its wire form (a map with `v`, `m`, then its fields in order; int columns int32
+`bin`, float columns float64 `bin`, draft probabilities float32), so a plain `msgpack.unpackb`
+reads every message into dicts, lists, strings, numbers and bytes. A field added to a message is
+one line in its table, and a bump of its version (unknown or missing keys are errors)."""
 
 from __future__ import annotations
 
@@ -28,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.params import GRAMMAR_KINDS, Grammar, SamplingParams
+from pipeline.protocol import wire
 from pipeline.protocol.messages import NewRequest, Proposal, RankReport, StepOutcome, StepPlan
 from pipeline.protocol.wire import (
     F32,
@@ -35,22 +19,31 @@ from pipeline.protocol.wire import (
     I32,
     MAX_BATCH,
     MAX_DRAFTED,
+    RID,
+    RIDS,
+    TRACEPARENT,
     U8,
+    Codec,
+    Field,
+    Kind,
     ProtocolError,
-    check_header,
     check_keys,
     float_list,
+    floats,
     from_bin,
     int_list,
-    pack,
+    integer,
+    ints,
+    number,
+    per,
+    ragged,
     split,
+    text,
     to_bin,
-    unpack,
     want_float,
     want_int,
     want_rids,
     want_str,
-    want_traceparent,
 )
 
 NEW_REQUEST_VERSION = 1
@@ -61,6 +54,8 @@ RANK_REPORT_VERSION = 1
 MAX_DIGEST_BYTES = 64
 MAX_PROPOSAL_BYTES = (1 << 31) - 1  # draft probabilities: B * k * vocab float32
 MAX_GRAMMAR_CHARS = 16 << 20  # a compiled grammar's text
+MAX_TENANT_CHARS = 64  # a tenant is a 32-hex-digit hash (pipeline.frontend.tenant)
+MAX_STEP = 1 << 62
 # The SamplingParams fields on the wire, in order: adding a field to SamplingParams changes the
 # wire, so it must be added here and NEW_REQUEST_VERSION bumped (a test compares the two).
 SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos",
@@ -68,48 +63,11 @@ SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos",
                    "top_p", "top_k", "seed", "min_new_tokens", "grammar")
 _PARAM_KEYS = frozenset(SAMPLING_FIELDS)
 _GRAMMAR_KEYS = frozenset({"kind", "compiled"})
-_NEW_BODY = frozenset({"rid", "prompt", "params", "tenant", "nout", "chunk"})
-MAX_TENANT_CHARS = 64  # a tenant is a 32-hex-digit hash (pipeline.frontend.tenant)
-_NEW_KEYS = _NEW_BODY | {"v", "m"}
-_PLAN_KEYS = frozenset({"v", "m", "step", "rel", "new", "pre", "pst", "pend", "dec", "last",
-                        "kv", "nout", "ks", "caps", "gain", "com", "fin", "tp"})
-_PROPOSAL_KEYS = frozenset({"v", "m", "n", "tok", "pm", "pv", "pq", "cf", "s"})
-_OUTCOME_KEYS = frozenset({"v", "m", "step", "rids", "len", "tok", "draft", "exp", "ds",
-                           "cached", "kvd"})
-_RANK_KEYS = frozenset({"v", "m", "step", "rank", "kvd"})
+pack, unpack = wire.pack, wire.unpack  # (as before: a test reads raw maps with these)
 
 
-# --- new request ------------------------------------------------------------------------------
-def encode_new_request(req: NewRequest) -> bytes:
-    return pack({"v": NEW_REQUEST_VERSION, "m": "new", **_new_body(req)})
-
-
-def decode_new_request(payload: Any) -> NewRequest:
-    msg = unpack(payload)
-    check_header(msg, "new", NEW_REQUEST_VERSION, _NEW_KEYS)
-    return _new_request({key: msg[key] for key in _NEW_BODY}, "new")
-
-
-def _new_body(req: NewRequest) -> dict[str, Any]:
-    return {"rid": req.rid, "prompt": to_bin(req.prompt_ids, I32, "prompt_ids"),
-            "params": _params_map(req.params), "tenant": req.tenant, "nout": req.num_output,
-            "chunk": req.chunk}
-
-
-def _new_request(body: Any, where: str) -> NewRequest:
-    check_keys(body, _NEW_BODY, where)
-    rid = want_rids([body["rid"]], f"{where}.rid")[0]
-    prompt = int_list(body["prompt"], None, f"{where}.prompt")
-    tenant = want_str(body["tenant"], f"{where}.tenant", MAX_TENANT_CHARS)
-    # a resumed (preempted) request's output so far is the end of its prefill
-    num_output = want_int(body["nout"], f"{where}.nout", 0, max(0, len(prompt) - 1))
-    chunk = body["chunk"]  # a chunked prefill's first chunk: at least one token
-    chunk = None if chunk is None else want_int(chunk, f"{where}.chunk", 1)
-    return NewRequest(rid, prompt, _params(body["params"], f"{where}.params"), tenant,
-                      num_output, chunk)
-
-
-def _params_map(p: SamplingParams) -> dict[str, Any]:
+# --- kinds of these messages' fields -------------------------------------------------------------
+def _dump_params(p: SamplingParams, attr: str) -> dict[str, Any]:
     out = {name: getattr(p, name) for name in SAMPLING_FIELDS}
     g = p.grammar
     if g is not None:
@@ -121,7 +79,7 @@ def _params_map(p: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def _params(raw: Any, where: str) -> SamplingParams:
+def _load_params(raw: Any, where: str, got: dict[str, Any]) -> SamplingParams:
     check_keys(raw, _PARAM_KEYS, where)
     for name in ("stop", "stop_token_ids"):
         if type(raw[name]) is not list:
@@ -143,135 +101,51 @@ def _grammar(raw: Any, where: str) -> Any:
     return Grammar(raw["kind"], want_str(raw["compiled"], f"{where}.compiled", MAX_GRAMMAR_CHARS))
 
 
-# --- plan --------------------------------------------------------------------------------------
-def encode_plan(plan: StepPlan) -> bytes:
-    return pack({
-        "v": PLAN_VERSION, "m": "plan", "step": plan.step, "rel": plan.release,
-        "new": [_new_body(n) for n in plan.new], "pre": plan.prefills,
-        "pst": to_bin(plan.prefill_starts, I32, "prefill_starts"),
-        "pend": to_bin(plan.prefill_ends, I32, "prefill_ends"), "dec": plan.decode,
-        "last": to_bin(plan.last_tokens, I32, "last_tokens"),
-        "kv": to_bin(plan.kv_lens, I32, "kv_lens"),
-        "nout": to_bin(plan.num_outputs, I32, "num_outputs"),
-        "ks": to_bin(plan.ks, I32, "ks"), "caps": to_bin(plan.caps, I32, "caps"),
-        "gain": to_bin(plan.min_gains, F64, "min_gains"),
-        "com": _token_map(plan.commits, "commits"), "fin": _token_map(plan.finals, "finals"),
-        "tp": plan.traceparent,
-    })
+def _load_output_count(raw: Any, name: str, got: dict[str, Any]) -> int:
+    """A resumed (preempted) request's output so far is the end of its prefill."""
+    return want_int(raw, name, 0, max(0, len(got["prompt_ids"]) - 1))
 
 
-def decode_plan(payload: Any) -> StepPlan:
-    msg = unpack(payload)
-    check_header(msg, "plan", PLAN_VERSION, _PLAN_KEYS)
-    if type(msg["new"]) is not list or len(msg["new"]) > MAX_BATCH:
-        raise ProtocolError(f"plan.new must be a list of at most {MAX_BATCH} requests")
-    new = [_new_request(n, "plan.new") for n in msg["new"]]
-    prefills = want_rids(msg["pre"], "plan.pre")
-    starts = int_list(msg["pst"], len(prefills), "plan.pst")
-    ends = int_list(msg["pend"], len(prefills), "plan.pend", 1)
-    bad = next((i for i, (s, e) in enumerate(zip(starts, ends)) if s >= e), None)
-    if bad is not None:
-        raise ProtocolError(f"plan: prefill chunk of {prefills[bad]!r} is empty or reversed "
-                            f"([{starts[bad]}, {ends[bad]}))")
-    decode = want_rids(msg["dec"], "plan.dec")
-    d = len(decode)
-    if len({n.rid for n in new} | set(prefills) | set(decode)) != len(new) + len(prefills) + d:
-        raise ProtocolError("plan: a request appears twice among new, pre and dec")
-    return StepPlan(
-        step=want_int(msg["step"], "plan.step", 0, 1 << 62),
-        release=want_rids(msg["rel"], "plan.rel"),
-        new=new,
-        prefills=prefills,
-        prefill_starts=starts,
-        prefill_ends=ends,
-        decode=decode,
-        last_tokens=int_list(msg["last"], d, "plan.last"),
-        kv_lens=int_list(msg["kv"], d, "plan.kv"),
-        num_outputs=int_list(msg["nout"], d, "plan.nout"),
-        ks=int_list(msg["ks"], d, "plan.ks", 0, MAX_DRAFTED),
-        caps=int_list(msg["caps"], _count(msg["caps"], d), "plan.caps", 0, MAX_DRAFTED),
-        min_gains=float_list(msg["gain"], _count(msg["gain"], d), "plan.gain", upper_inf=True),
-        commits=_tokens_of(msg["com"], "plan.com"),
-        finals=_tokens_of(msg["fin"], "plan.fin"),
-        traceparent=want_traceparent(msg["tp"], "plan.tp"),
-    )
-
-
-def _count(raw: Any, d: int) -> int:
-    """An optional column holds one value per decode, or none (an empty bin)."""
-    return 0 if raw == b"" else d
-
-
-def _token_map(tokens: dict[str, list[int]], name: str) -> dict[str, bytes]:
-    return {rid: to_bin(t, I32, f"{name}[{rid!r}]") for rid, t in tokens.items()}
-
-
-def _tokens_of(raw: Any, where: str) -> dict[str, list[int]]:
+def _load_token_map(raw: Any, where: str, got: dict[str, Any]) -> dict[str, list[int]]:
     if type(raw) is not dict:
         raise ProtocolError(f"{where} must be a map")
     want_rids(list(raw), where)
     return {rid: int_list(t, None, f"{where}[{rid!r}]") for rid, t in raw.items()}
 
 
-# --- proposal ----------------------------------------------------------------------------------
-def encode_proposal(p: Proposal) -> bytes:
-    b = len(p.tokens)
-    counts = [len(t) for t in p.tokens]
-    flags = pq = None
-    vocab = 0
-    if p.probs is not None:
-        if len(p.probs) != b:
-            raise ProtocolError("proposal.probs must have one entry per request")
-        rows = []
-        for i, (q, n) in enumerate(zip(p.probs, counts)):
-            if q is None:
-                continue
-            q = _numpy(q)
-            vocab = vocab or q.shape[-1]
-            if q.shape != (n, vocab):
-                raise ProtocolError(f"proposal.probs[{i}]: shape {q.shape} != ({n}, {vocab})")
-            rows.append(q.reshape(-1))
-        flags = to_bin([int(q is not None) for q in p.probs], U8, "probs flags")
-        pq = np.concatenate(rows).astype(F32).tobytes() if rows else b""
-    cf = None
-    if p.confidence is not None:
-        if [len(c) for c in p.confidence] != counts:
-            raise ProtocolError("proposal.confidence must align with tokens")
-        cf = to_bin([x for c in p.confidence for x in c], F64, "confidence")
-    return pack({"v": PROPOSAL_VERSION, "m": "proposal", "n": to_bin(counts, I32, "tokens"),
-                 "tok": to_bin([t for ts in p.tokens for t in ts], I32, "tokens"),
-                 "pm": flags, "pv": vocab, "pq": pq, "cf": cf, "s": float(p.seconds)})
+TOKEN_MAP = Kind(lambda v, attr: {rid: to_bin(t, I32, f"{attr}[{rid!r}]") for rid, t in v.items()},
+                 _load_token_map)
 
 
-def decode_proposal(payload: Any) -> Proposal:
-    msg = unpack(payload, MAX_PROPOSAL_BYTES)
-    check_header(msg, "proposal", PROPOSAL_VERSION, _PROPOSAL_KEYS)
-    counts = int_list(msg["n"], None, "proposal.n", 0, MAX_DRAFTED)
-    if len(counts) > MAX_BATCH:
-        raise ProtocolError(f"proposal: batch of {len(counts)} exceeds {MAX_BATCH}")
-    tokens = split(int_list(msg["tok"], sum(counts), "proposal.tok"), counts)
-    probs = None
-    if msg["pm"] is not None or msg["pq"] is not None:
-        flags = from_bin(msg["pm"], U8, len(counts), "proposal.pm").tolist()
-        if any(f > 1 for f in flags):
-            raise ProtocolError("proposal.pm: flags must be 0 or 1")
-        vocab = want_int(msg["pv"], "proposal.pv", 0)
-        n_q = sum(n for n, f in zip(counts, flags) if f)
-        q = from_bin(msg["pq"], F32, n_q * vocab, "proposal.pq")
-        if not bool(np.isfinite(q).all()):
-            raise ProtocolError("proposal.pq: probabilities must be finite")
-        q = q.reshape(n_q, vocab).copy()  # writable: the verifier hands rows to torch
-        probs, a = [], 0
-        for n, f in zip(counts, flags):
-            probs.append(q[a : a + n] if f else None)
-            a += n if f else 0
-    elif msg["pv"] != 0:
-        raise ProtocolError("proposal.pv must be 0 without probabilities")
-    confidence = None
-    if msg["cf"] is not None:
-        confidence = split(float_list(msg["cf"], sum(counts), "proposal.cf"), counts)
-    return Proposal(tokens=tokens, probs=probs, confidence=confidence,
-                    seconds=want_float(msg["s"], "proposal.s", 0.0))
+def _load_digest(raw: Any, name: str, got: dict[str, Any]) -> bytes:
+    if type(raw) is not bytes or len(raw) > MAX_DIGEST_BYTES:
+        raise ProtocolError(f"{name} must be a bin of at most {MAX_DIGEST_BYTES} bytes")
+    return raw
+
+
+DIGEST = Kind(lambda v, attr: bytes(v), _load_digest)
+
+
+def _nested(codec: Codec) -> Kind:
+    """A list of `codec`'s messages, each a map without a header."""
+    def load(raw: Any, name: str, got: dict[str, Any]) -> list[Any]:
+        if type(raw) is not list or len(raw) > MAX_BATCH:
+            raise ProtocolError(f"{name} must be a list of at most {MAX_BATCH} requests")
+        return [codec.load_body(item, name) for item in raw]
+
+    return Kind(lambda v, attr: [codec.body(item) for item in v], load)
+
+
+def _load_expected(raw: Any, name: str, got: dict[str, Any]) -> list[float | None] | None:
+    if raw is None:
+        return None
+    if type(raw) is not list or len(raw) != len(got["rids"]):
+        raise ProtocolError(f"{name} must be nil or one entry per request")
+    return [None if e is None else want_float(e, name, 0.0) for e in raw]
+
+
+EXPECTED = Kind(lambda v, attr: None if v is None else [None if e is None else float(e)
+                                                        for e in v], _load_expected)
 
 
 def _numpy(q: Any) -> np.ndarray:
@@ -280,70 +154,146 @@ def _numpy(q: Any) -> np.ndarray:
     return np.asarray(q)
 
 
-# --- outcome -----------------------------------------------------------------------------------
-def encode_outcome(o: StepOutcome) -> bytes:
-    """The outcome without its payload (the VerifyStep travels to the output stage on its own)."""
+def _dump_probs(probs: list[Any] | None, attr: str) -> tuple[Any, int, Any]:
+    """(pm: a u8 flag per request, pv: the vocabulary, pq: every q's rows as one f32 bin)."""
+    if probs is None:
+        return None, 0, None
+    rows = [_numpy(q).reshape(-1) for q in probs if q is not None]
+    vocab = next((_numpy(q).shape[-1] for q in probs if q is not None), 0)
+    flags = to_bin([int(q is not None) for q in probs], U8, "probs flags")
+    return flags, vocab, np.concatenate(rows).astype(F32).tobytes() if rows else b""
+
+
+def _load_probs(raw: tuple[Any, Any, Any], names: tuple[str, ...], got: dict[str, Any]
+                ) -> list[Any] | None:
+    pm, pv, pq = raw
+    if pm is None and pq is None:
+        if pv != 0:
+            raise ProtocolError(f"{names[1]} must be 0 without probabilities")
+        return None
+    counts = list(map(len, got["tokens"]))
+    flags = from_bin(pm, U8, len(counts), names[0]).tolist()
+    if any(f > 1 for f in flags):
+        raise ProtocolError(f"{names[0]}: flags must be 0 or 1")
+    vocab = want_int(pv, names[1], 0)
+    n_q = sum(n for n, f in zip(counts, flags) if f)
+    q = from_bin(pq, F32, n_q * vocab, names[2])
+    if not bool(np.isfinite(q).all()):
+        raise ProtocolError(f"{names[2]}: probabilities must be finite")
+    q = q.reshape(n_q, vocab).copy()  # writable: the verifier hands rows to torch
+    probs, a = [], 0
+    for n, f in zip(counts, flags):
+        probs.append(q[a : a + n] if f else None)
+        a += n if f else 0
+    return probs
+
+
+def _load_confidence(raw: Any, name: str, got: dict[str, Any]) -> list[list[float]] | None:
+    if raw is None:
+        return None
+    counts = list(map(len, got["tokens"]))
+    return split(float_list(raw, sum(counts), name), counts)
+
+
+CONFIDENCE = Kind(lambda v, attr: None if v is None else to_bin([x for c in v for x in c],
+                                                                 F64, "confidence"),
+                  _load_confidence)
+
+
+def _check_plan(plan: StepPlan, where: str) -> None:
+    for rid, s, e in zip(plan.prefills, plan.prefill_starts, plan.prefill_ends):
+        if s >= e:
+            raise ProtocolError(f"{where}: prefill chunk of {rid!r} is empty or reversed "
+                                f"([{s}, {e}))")
+    rids = plan.rids
+    if len(set(rids)) != len(rids):
+        raise ProtocolError(f"{where}: a request appears twice among new, pre and dec")
+
+
+def _before_proposal(p: Proposal) -> None:
+    if p.probs is None and p.confidence is None:
+        return
+    counts = list(map(len, p.tokens))
+    if p.probs is not None:
+        if len(p.probs) != len(counts):
+            raise ProtocolError("proposal.probs must have one entry per request")
+        vocab = next((_numpy(q).shape[-1] for q in p.probs if q is not None), 0)
+        for i, (q, n) in enumerate(zip(p.probs, counts)):
+            if q is not None and _numpy(q).shape != (n, vocab):
+                raise ProtocolError(f"proposal.probs[{i}]: shape {_numpy(q).shape} != "
+                                    f"({n}, {vocab})")
+    if p.confidence is not None and [len(c) for c in p.confidence] != counts:
+        raise ProtocolError("proposal.confidence must align with tokens")
+
+
+def _before_outcome(o: StepOutcome) -> None:
     if not len(o.tokens) == len(o.drafted) == len(o.rids):
         raise ProtocolError("outcome: rids, tokens and drafted must have the same length")
-    return pack({
-        "v": OUTCOME_VERSION, "m": "outcome", "step": o.step, "rids": o.rids,
-        "len": to_bin([len(t) for t in o.tokens], I32, "tokens"),
-        "tok": to_bin([t for ts in o.tokens for t in ts], I32, "tokens"),
-        "draft": to_bin(o.drafted, I32, "drafted"),
-        "exp": None if o.expected is None else [None if e is None else float(e)
-                                                for e in o.expected],
-        "ds": o.decode_s,
-        "cached": to_bin(o.cached, I32, "cached"),
-        "kvd": bytes(o.kv_digest),
-    })
 
 
-def decode_outcome(payload: Any) -> StepOutcome:
-    msg = unpack(payload)
-    check_header(msg, "outcome", OUTCOME_VERSION, _OUTCOME_KEYS)
-    rids = want_rids(msg["rids"], "outcome.rids")
-    if len(set(rids)) != len(rids):
-        raise ProtocolError("outcome: duplicate request ids")
-    b = len(rids)
-    lengths = int_list(msg["len"], b, "outcome.len", 1, MAX_DRAFTED + 1)
-    drafted = int_list(msg["draft"], b, "outcome.draft", 0, MAX_DRAFTED)
-    bad = next((i for i in range(b) if lengths[i] > drafted[i] + 1), None)
+def _check_outcome(o: StepOutcome, where: str) -> None:
+    if len(set(o.rids)) != len(o.rids):
+        raise ProtocolError(f"{where}: duplicate request ids")
+
+
+def _within_drafts(lengths: list[int], got: dict[str, Any]) -> None:
+    drafted = got["drafted"]
+    bad = next((i for i, (n, d) in enumerate(zip(lengths, drafted)) if n > d + 1), None)
     if bad is not None:
-        raise ProtocolError(f"outcome: request {rids[bad]!r} has {lengths[bad]} tokens for "
-                            f"{drafted[bad]} drafted (at most drafted + 1)")
-    expected = msg["exp"]
-    if expected is not None:
-        if type(expected) is not list or len(expected) != b:
-            raise ProtocolError("outcome.exp must be nil or one entry per request")
-        expected = [None if e is None else want_float(e, "outcome.exp", 0.0) for e in expected]
-    ds = msg["ds"]
-    return StepOutcome(
-        step=want_int(msg["step"], "outcome.step", 0, 1 << 62),
-        rids=rids,
-        tokens=split(int_list(msg["tok"], sum(lengths), "outcome.tok"), lengths),
-        drafted=drafted,
-        expected=expected,
-        decode_s=None if ds is None else want_float(ds, "outcome.ds", 0.0),
-        cached=int_list(msg["cached"], None, "outcome.cached"),
-        kv_digest=_digest(msg["kvd"], "outcome.kvd"),
-    )
+        raise ProtocolError(f"outcome: request {got['rids'][bad]!r} has {lengths[bad]} tokens "
+                            f"for {drafted[bad]} drafted (at most drafted + 1)")
 
 
-def _digest(raw: Any, what: str) -> bytes:
-    if type(raw) is not bytes or len(raw) > MAX_DIGEST_BYTES:
-        raise ProtocolError(f"{what} must be a bin of at most {MAX_DIGEST_BYTES} bytes")
-    return raw
-
-
-# --- rank report -------------------------------------------------------------------------------
-def encode_rank_report(r: RankReport) -> bytes:
-    return pack({"v": RANK_REPORT_VERSION, "m": "rank", "step": r.step, "rank": r.rank,
-                 "kvd": bytes(r.kv_digest)})
-
-
-def decode_rank_report(payload: Any) -> RankReport:
-    msg = unpack(payload)
-    check_header(msg, "rank", RANK_REPORT_VERSION, _RANK_KEYS)
-    return RankReport(step=want_int(msg["step"], "rank.step", 0, 1 << 62),
-                      rank=want_int(msg["rank"], "rank.rank", 1, 1 << 16),
-                      kv_digest=_digest(msg["kvd"], "rank.kvd"))
+# --- the messages: dataclass field, wire key, kind ---------------------------------------------------
+NEW_REQUEST = Codec(NewRequest, {"v": NEW_REQUEST_VERSION, "m": "new"}, [
+    Field("rid", "rid", RID),
+    Field("prompt_ids", "prompt", ints()),
+    Field("params", "params", Kind(_dump_params, _load_params)),
+    Field("tenant", "tenant", text(MAX_TENANT_CHARS)),
+    Field("num_output", "nout", Kind(None, _load_output_count)),
+    Field("chunk", "chunk", integer(1, optional=True)),  # a chunked prefill's first chunk
+])
+PLAN = Codec(StepPlan, {"v": PLAN_VERSION, "m": "plan"}, [
+    Field("step", "step", integer(0, MAX_STEP)),
+    Field("release", "rel", RIDS),
+    Field("new", "new", _nested(NEW_REQUEST)),
+    Field("prefills", "pre", RIDS),
+    Field("prefill_starts", "pst", ints(per("prefills"))),
+    Field("prefill_ends", "pend", ints(per("prefills"), 1)),
+    Field("decode", "dec", RIDS),
+    Field("last_tokens", "last", ints(per("decode"))),
+    Field("kv_lens", "kv", ints(per("decode"))),
+    Field("num_outputs", "nout", ints(per("decode"))),
+    Field("ks", "ks", ints(per("decode"), 0, MAX_DRAFTED)),
+    Field("caps", "caps", ints(per("decode", or_none=True), 0, MAX_DRAFTED)),
+    Field("min_gains", "gain", floats(per("decode", or_none=True), upper_inf=True)),
+    Field("commits", "com", TOKEN_MAP),
+    Field("finals", "fin", TOKEN_MAP),
+    Field("traceparent", "tp", TRACEPARENT),
+], check=_check_plan)
+PROPOSAL = Codec(Proposal, {"v": PROPOSAL_VERSION, "m": "proposal"}, [
+    Field("tokens", ("n", "tok"), ragged(None, 0, MAX_DRAFTED)),
+    Field("probs", ("pm", "pv", "pq"), Kind(_dump_probs, _load_probs)),
+    Field("confidence", "cf", CONFIDENCE),
+    Field("seconds", "s", Kind(lambda v, attr: float(v), number(0.0).load)),
+], before=_before_proposal, max_bytes=MAX_PROPOSAL_BYTES)
+OUTCOME = Codec(StepOutcome, {"v": OUTCOME_VERSION, "m": "outcome"}, [
+    Field("step", "step", integer(0, MAX_STEP)),
+    Field("rids", "rids", RIDS),
+    Field("tokens", ("len", "tok"), ragged(per("rids"), 1, MAX_DRAFTED + 1, _within_drafts)),
+    Field("drafted", "draft", ints(per("rids"), 0, MAX_DRAFTED)),
+    Field("expected", "exp", EXPECTED),
+    Field("decode_s", "ds", number(0.0, optional=True)),
+    Field("cached", "cached", ints()),
+    Field("kv_digest", "kvd", DIGEST),
+], before=_before_outcome, check=_check_outcome, first=("step", "rids", "drafted"))
+RANK_REPORT = Codec(RankReport, {"v": RANK_REPORT_VERSION, "m": "rank"}, [
+    Field("step", "step", integer(0, MAX_STEP)),
+    Field("rank", "rank", integer(1, 1 << 16)),
+    Field("kv_digest", "kvd", DIGEST),
+])
+encode_new_request, decode_new_request = NEW_REQUEST.encode, NEW_REQUEST.decode
+encode_plan, decode_plan = PLAN.encode, PLAN.decode
+encode_proposal, decode_proposal = PROPOSAL.encode, PROPOSAL.decode
+encode_outcome, decode_outcome = OUTCOME.encode, OUTCOME.decode
+encode_rank_report, decode_rank_report = RANK_REPORT.encode, RANK_REPORT.decode

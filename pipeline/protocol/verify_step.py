@@ -1,52 +1,34 @@
-"""The verifier -> output message (VerifyStep): one verify step's accepted tokens, as msgpack.
-
-Wire layout (a msgpack map; every array is little-endian numpy bytes in a msgpack `bin`, so a
-batch costs a handful of buffer copies instead of one Python object per token):
-
-    v     int          protocol version (PROTOCOL_VERSION)
-    step  int          verify-step id
-    rids  [str]        B request ids, unique
-    len   bin int32[B] new_accepted_len per request (>= 1, <= drafted + 1)
-    draft bin int32[B] drafted tokens per request (0 for a prefill step)
-    tok   bin int32[N] accepted tokens of all requests, concatenated (N = sum(len))
-    lp    bin f64[N] | nil                 target logprob of each accepted token
-    tn    bin int32[B] | nil               top-N count per request (same N for all of its tokens)
-    tid   bin int32[M], tlp bin f64[M]     top-N (id, logprob) of each token, M = sum(len * tn)
-    tp    str | nil    W3C traceparent of the step's span
-    t     float        unix time verification finished
-    ch    bin int32[B]   optional: per request, prompt tokens whose KV came from the prefix cache
-                       (its prefill row; 0 on verify rows); sent on steps that prefill
-
-`decode` checks everything before anything is built, so a bad payload raises ProtocolError and
-nothing downstream is half-applied. No pickle anywhere.
-"""
+"""The verifier -> output message (VerifyStep): one verify step's accepted tokens, as msgpack
+(`COLUMNS`: every array a little-endian `bin`, all requests' tokens in one, so a batch costs a
+few buffer copies, not an object per token). Checked whole both ways (`validate_columns`)."""
 
 from __future__ import annotations
 
 import itertools
 import math
-import re
 from dataclasses import dataclass
+from typing import Any
 
-import msgpack
 import numpy as np
 
 from pipeline.protocol.wire import (
+    F64,
+    I32,
+    INT32_MAX,
     MAX_BATCH,
     MAX_DRAFTED,
-    MAX_PAYLOAD_BYTES,
     MAX_RID_CHARS,
+    TRACEPARENT_RE,
+    Codec,
+    Field,
+    Kind,
     ProtocolError,
-    unpack,
+    column,
+    per,
 )
 
 PROTOCOL_VERSION = 1
 MAX_TOP_N = 20
-_KEYS = frozenset({"v", "step", "rids", "len", "draft", "tok", "lp", "tn", "tid", "tlp", "tp", "t"})
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
-_I32 = np.dtype("<i4")
-_I32_MAX = int(np.iinfo(_I32).max)  # once: np.iinfo builds an object a call
-_F64 = np.dtype("<f8")
 
 
 @dataclass
@@ -194,70 +176,6 @@ def _columns_from_step(step: VerifyStep) -> StepColumns:
     return cols
 
 
-def encode_columns(cols: StepColumns) -> bytes:
-    validate_columns(cols)
-    msg = {
-        "v": PROTOCOL_VERSION,
-        "step": int(cols.step),
-        "rids": list(cols.rids),
-        "len": cols.lengths.astype(_I32).tobytes(),
-        "draft": cols.drafted.astype(_I32).tobytes(),
-        "tok": cols.tokens.astype(_I32).tobytes(),
-        "lp": None if cols.logprobs is None else cols.logprobs.astype(_F64).tobytes(),
-        "tn": None if cols.top_n is None else cols.top_n.astype(_I32).tobytes(),
-        "tid": None if cols.top_n is None else cols.top_ids.astype(_I32).tobytes(),
-        "tlp": None if cols.top_n is None else cols.top_logprobs.astype(_F64).tobytes(),
-        "tp": cols.traceparent,
-        "t": float(cols.time),
-    }
-    if cols.cached is not None:
-        msg["ch"] = cols.cached.astype(_I32).tobytes()
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def decode_columns(payload: bytes) -> StepColumns:
-    """Parse and validate one message. Raises ProtocolError on anything malformed."""
-    msg = unpack(payload)
-    v = msg.get("v")
-    if type(v) is not int or v != PROTOCOL_VERSION:  # True == 1 and 1.0 == 1: not versions
-        raise ProtocolError(f"unsupported protocol version {v!r}")
-    if set(msg) - {"ch"} != _KEYS:
-        raise ProtocolError(f"message keys {sorted(map(str, msg))} != {sorted(_KEYS)}")
-    rids = msg["rids"]
-    if not isinstance(rids, list):
-        raise ProtocolError("rids must be a list")
-    b = len(rids)
-    lengths = _from_bin(msg["len"], _I32, b, "len")
-    top_n = None if msg["tn"] is None else _from_bin(msg["tn"], _I32, b, "tn")
-    if b and (int(lengths.min()) < 1 or int(lengths.max()) > MAX_DRAFTED + 1):
-        raise ProtocolError(f"len: every new_accepted_len must be in [1, {MAX_DRAFTED + 1}]")
-    if top_n is not None and b and (int(top_n.min()) < 0 or int(top_n.max()) > MAX_TOP_N):
-        raise ProtocolError(f"tn: top-N must be in [0, {MAX_TOP_N}]")
-    n_tok = int(lengths.sum()) if b else 0
-    if n_tok < 0 or n_tok > MAX_PAYLOAD_BYTES:
-        raise ProtocolError("len: invalid token counts")
-    n_top = int((lengths * top_n).sum()) if top_n is not None and b else 0
-    for key in ("tid", "tlp"):
-        if (msg[key] is None) != (top_n is None):
-            raise ProtocolError(f"{key} must be present exactly when tn is")
-    cols = StepColumns(
-        step=msg["step"],
-        rids=rids,
-        lengths=lengths,
-        drafted=_from_bin(msg["draft"], _I32, b, "draft"),
-        tokens=_from_bin(msg["tok"], _I32, n_tok, "tok"),
-        logprobs=None if msg["lp"] is None else _from_bin(msg["lp"], _F64, n_tok, "lp"),
-        top_n=top_n,
-        top_ids=None if top_n is None else _from_bin(msg["tid"], _I32, n_top, "tid"),
-        top_logprobs=None if top_n is None else _from_bin(msg["tlp"], _F64, n_top, "tlp"),
-        traceparent=msg["tp"],
-        time=msg["t"],
-        cached=_from_bin(msg["ch"], _I32, b, "ch") if "ch" in msg else None,
-    )
-    validate_columns(cols)
-    return cols
-
-
 def validate_columns(cols: StepColumns) -> None:
     """Every rule of the contract; raises ProtocolError naming the first broken one."""
     if isinstance(cols.step, bool) or not isinstance(cols.step, int) or cols.step < 0:
@@ -292,7 +210,7 @@ def validate_columns(cols: StepColumns) -> None:
     n_tok = int(cols.lengths.sum()) if b else 0
     if cols.tokens.shape != (n_tok,):
         raise ProtocolError(f"expected {n_tok} tokens, got {cols.tokens.shape[0]}")
-    if n_tok and (int(cols.tokens.min()) < 0 or int(cols.tokens.max()) > _I32_MAX):
+    if n_tok and (int(cols.tokens.min()) < 0 or int(cols.tokens.max()) > INT32_MAX):
         raise ProtocolError("token ids must be non-negative int32")
     if cols.logprobs is not None:
         if cols.logprobs.shape != (n_tok,):
@@ -309,7 +227,7 @@ def validate_columns(cols: StepColumns) -> None:
         n_top = int((cols.lengths * cols.top_n).sum()) if b else 0
         if cols.top_ids.shape != (n_top,) or cols.top_logprobs.shape != (n_top,):
             raise ProtocolError("top logprob arrays must hold len * top-N entries")
-        if n_top and (int(cols.top_ids.min()) < 0 or int(cols.top_ids.max()) > _I32_MAX):
+        if n_top and (int(cols.top_ids.min()) < 0 or int(cols.top_ids.max()) > INT32_MAX):
             raise ProtocolError("top logprob ids must be non-negative int32")
         if not bool(np.isfinite(cols.top_logprobs).all()):
             raise ProtocolError("top logprobs must be finite")
@@ -317,20 +235,11 @@ def validate_columns(cols: StepColumns) -> None:
                                     (b and int(cols.cached.min()) < 0)):
         raise ProtocolError("ch (cached tokens) must be one non-negative count per request")
     tp = cols.traceparent
-    if tp is not None and (not isinstance(tp, str) or not _TRACEPARENT.match(tp)):
+    if tp is not None and (not isinstance(tp, str) or not TRACEPARENT_RE.match(tp)):
         raise ProtocolError(f"bad traceparent {tp!r}")
     t = cols.time
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
         raise ProtocolError(f"time must be a finite non-negative number, got {t!r}")
-
-
-def _from_bin(raw: object, dtype: np.dtype, count: int, key: str) -> np.ndarray:
-    if not isinstance(raw, bytes):
-        raise ProtocolError(f"{key} must be a bin array")
-    if len(raw) != count * dtype.itemsize:
-        raise ProtocolError(f"{key}: expected {count} values, got {len(raw)} bytes")
-    wide = np.int64 if dtype.kind == "i" else np.float64
-    return np.frombuffer(raw, dtype=dtype).astype(wide)
 
 
 def _array(values, dtype, name: str) -> np.ndarray:
@@ -348,3 +257,44 @@ def _array(values, dtype, name: str) -> np.ndarray:
         return out.astype(dtype, casting="safe" if out.dtype.kind != "u" else "unsafe")
     except TypeError as e:
         raise ProtocolError(f"{name}: {e}") from None
+
+
+def _load_rids(raw: Any, name: str, got: dict[str, Any]) -> list[str]:
+    if not isinstance(raw, list):
+        raise ProtocolError(f"{name} must be a list")
+    return raw
+
+
+def _n_top(got: dict[str, Any], raw: Any) -> int | None:
+    top_n = got["top_n"]
+    return None if top_n is None else int((got["lengths"] * top_n).sum())
+
+
+def _n_tok(got: dict[str, Any], raw: Any) -> int:
+    return int(got["lengths"].sum())
+
+
+_B = per("rids")
+_PER_TOKEN = per("tokens")  # (its count is checked by then)
+
+
+def _per_top(got: dict[str, Any], raw: Any) -> int | None:
+    return None if got["top_ids"] is None else len(got["top_ids"])
+
+# StepColumns on the wire (the columns are checked whole by validate_columns, both ways)
+COLUMNS = Codec(StepColumns, {"v": PROTOCOL_VERSION}, [
+    Field("step", "step", Kind(lambda v, attr: int(v))),
+    Field("rids", "rids", Kind(lambda v, attr: list(v), _load_rids)),
+    Field("lengths", "len", column(I32, _B, 1, MAX_DRAFTED + 1)),
+    Field("drafted", "draft", column(I32, _B)),
+    Field("tokens", "tok", column(I32, _n_tok)),
+    Field("logprobs", "lp", column(F64, _PER_TOKEN, optional=True)),
+    Field("top_n", "tn", column(I32, _B, 0, MAX_TOP_N, optional=True)),
+    Field("top_ids", "tid", column(I32, _n_top, optional=True)),
+    Field("top_logprobs", "tlp", column(F64, _per_top, optional=True)),
+    Field("traceparent", "tp"),
+    Field("time", "t", Kind(lambda v, attr: float(v))),
+    Field("cached", "ch", column(I32, _B), omit_none=True),  # sent on steps that prefill
+], before=validate_columns, check=lambda cols, where: validate_columns(cols), what="verify")
+encode_columns = COLUMNS.encode
+decode_columns = COLUMNS.decode  # ProtocolError, naming the rule, for anything malformed

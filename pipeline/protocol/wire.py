@@ -1,9 +1,6 @@
-"""The wire rules every step message shares: a msgpack map with a version tag, numbers in
-columns as little-endian numpy bytes in a msgpack `bin`, and strict checks on the way in.
-
-A decoder reads the whole map and checks every field before it builds anything, so a bad
-payload raises ProtocolError naming the field and nothing is half-built. No pickle anywhere.
-"""
+"""The wire rules every message shares (a msgpack map with a version tag, number columns as
+little-endian `bin`s, strict checks on the way in: ProtocolError naming the field), and `Codec`:
+a message's encoder and decoder from one table of its fields (dataclass field, wire key, kind)."""
 
 from __future__ import annotations
 
@@ -11,6 +8,8 @@ import math
 import re
 import sys
 from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -29,7 +28,7 @@ U8 = np.dtype("u1")
 # Short int/float lists go through the stdlib `array` (a list of 32 ints: ~1 us, numpy ~5 us);
 # its items are native-endian, which is the wire's little-endian only on little-endian hosts.
 _ARRAY_CODES = {I32: "i", I64: "q", F64: "d"} if sys.byteorder == "little" else {}
-TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
 class ProtocolError(ValueError):
@@ -44,7 +43,6 @@ def pack(msg: dict[str, Any]) -> bytes:
 
 
 def unpack(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[str, Any]:
-    """The map a payload holds; ProtocolError when it is not bytes, too big or not msgpack."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > max_bytes:
@@ -56,17 +54,6 @@ def unpack(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise ProtocolError("message must be a map")
     return msg
-
-
-def check_header(msg: dict[str, Any], kind: str, version: int, keys: frozenset[str]) -> None:
-    """The message is a `kind` message of `version` with exactly `keys` (unknown or missing
-    fields are errors: a newer writer must bump the version)."""
-    if msg.get("m") != kind:
-        raise ProtocolError(f"expected a {kind!r} message, got {msg.get('m')!r}")
-    v = msg.get("v")
-    if type(v) is not int or v != version:  # True == 1 and 1.0 == 1: not versions
-        raise ProtocolError(f"{kind}: unsupported version {v!r} (this reader knows {version})")
-    check_keys(msg, keys, kind)
 
 
 def check_keys(msg: Any, keys: frozenset[str], what: str) -> None:
@@ -90,12 +77,6 @@ def want_float(value: Any, name: str, lo: float = -math.inf) -> float:
     return float(value)
 
 
-def want_bool(value: Any, name: str) -> bool:
-    if type(value) is not bool:
-        raise ProtocolError(f"{name} must be a boolean, got {value!r}")
-    return value
-
-
 def want_str(value: Any, name: str, max_chars: int) -> str:
     if type(value) is not str or len(value) > max_chars:
         raise ProtocolError(f"{name} must be a string of at most {max_chars} chars")
@@ -103,7 +84,6 @@ def want_str(value: Any, name: str, max_chars: int) -> str:
 
 
 def want_rids(value: Any, name: str) -> list[str]:
-    """A list of request ids (non-empty strings of at most MAX_RID_CHARS)."""
     if type(value) is not list or len(value) > MAX_BATCH:
         raise ProtocolError(f"{name} must be a list of at most {MAX_BATCH} request ids")
     for rid in value:
@@ -113,14 +93,13 @@ def want_rids(value: Any, name: str) -> list[str]:
 
 
 def want_traceparent(value: Any, name: str = "traceparent") -> str | None:
-    if value is not None and (type(value) is not str or not TRACEPARENT.match(value)):
+    if value is not None and (type(value) is not str or not TRACEPARENT_RE.match(value)):
         raise ProtocolError(f"bad {name} {value!r}")
     return value
 
 
 # --- columns ------------------------------------------------------------------------------------
 def to_bin(values: Any, dtype: np.dtype, name: str) -> bytes:
-    """`values` (a list or an array) as `dtype` bytes; ProtocolError when they do not fit."""
     code = _ARRAY_CODES.get(dtype)
     if code is not None and type(values) is list:
         try:
@@ -140,7 +119,6 @@ def to_bin(values: Any, dtype: np.dtype, name: str) -> bytes:
 
 
 def from_bin(raw: Any, dtype: np.dtype, count: int | None, name: str) -> np.ndarray:
-    """The `dtype` array a bin field holds (`count` values, or any number when None)."""
     if type(raw) is not bytes:
         raise ProtocolError(f"{name} must be a bin array")
     _check_size(raw, dtype, count, name)
@@ -156,7 +134,6 @@ def _check_size(raw: bytes, dtype: np.dtype, count: int | None, name: str) -> No
 
 def int_list(raw: Any, count: int | None, name: str, lo: int = 0, hi: int = INT32_MAX
              ) -> list[int]:
-    """An int32 bin field as a list of ints in [lo, hi]."""
     if _ARRAY_CODES and type(raw) is bytes and len(raw) <= 4096:  # short: no numpy
         _check_size(raw, I32, count, name)
         values = array("i", raw).tolist()
@@ -170,7 +147,6 @@ def int_list(raw: Any, count: int | None, name: str, lo: int = 0, hi: int = INT3
 
 
 def float_list(raw: Any, count: int | None, name: str, upper_inf: bool = False) -> list[float]:
-    """A float64 bin field of finite values (or +inf, with `upper_inf`) as a list."""
     if type(raw) is not bytes:
         raise ProtocolError(f"{name} must be a bin array")
     _check_size(raw, F64, count, name)
@@ -182,9 +158,197 @@ def float_list(raw: Any, count: int | None, name: str, upper_inf: bool = False) 
 
 
 def split(flat: list[Any], lengths: list[int]) -> list[list[Any]]:
-    """`flat` cut into consecutive runs of `lengths` (their sum is len(flat))."""
     out, a = [], 0
     for n in lengths:
         out.append(flat[a : a + n])
         a += n
     return out
+
+
+# --- declarative codecs -------------------------------------------------------------------------
+Dump = Callable[[Any, str], Any]  # (value, field name) -> wire value (a tuple: several keys)
+Load = Callable[[Any, Any, dict[str, Any]], Any]  # (wire value(s), name(s), fields so far)
+Count = Callable[[dict[str, Any], Any], int | None]  # (fields so far, wire value) -> its length
+
+
+@dataclass(frozen=True)
+class Kind:
+    dump: Dump | None = None  # None: as it is
+    load: Load | None = None
+
+
+@dataclass(frozen=True)
+class Field:
+    attr: str
+    key: str | tuple[str, ...]
+    kind: Kind = Kind()
+    omit_none: bool = False  # an optional key: left off when None
+
+
+class Codec:
+    """`header` ({"v": version, "m": kind}) then `fields`, in wire order; `before(obj)` and
+    `check(obj, where)` check across fields. Its functions are generated from the table (as
+    dataclasses' `__init__`): they run per step, and a loop over the table cost a fifth more."""
+
+    def __init__(self, cls: type, header: dict[str, Any], fields: list[Field],
+                 before: Callable[[Any], None] | None = None,
+                 check: Callable[[Any, str], None] | None = None,
+                 max_bytes: int = MAX_PAYLOAD_BYTES, what: str = "", first: tuple[str, ...] = ()
+                 ) -> None:
+        self.cls, self.header, self.fields = cls, header, fields
+        self.first = first  # decoded first: a field before them reads them
+        self.before, self.check, self.max_bytes = before, check, max_bytes
+        self.what = what or header.get("m", cls.__name__)
+        self.body_keys = frozenset(k for f in fields for k in _keys(f))
+        self.keys = self.body_keys | set(header)
+        self.required = self.keys - {f.key for f in fields if f.omit_none}
+        if [f.omit_none for f in fields] != sorted(f.omit_none for f in fields):
+            raise ValueError("optional keys come last")
+        self.body = self._compile_body({})
+        self.encode: Callable[[Any], bytes] = self._compile_body(header)
+        self._builds = {self.what: self._compile_build(self.what)}
+
+    def decode(self, payload: Any) -> Any:
+        msg = unpack(payload, self.max_bytes)
+        kind, v = self.header.get("m"), self.header["v"]
+        if kind is not None and msg.get("m") != kind:
+            raise ProtocolError(f"expected a {kind!r} message, got {msg.get('m')!r}")
+        if type(msg.get("v")) is not int or msg["v"] != v:  # True == 1 and 1.0 == 1: not versions
+            raise ProtocolError(f"{self.what}: unsupported version {msg.get('v')!r} "
+                                f"(this reader knows {v})")
+        if not self.required <= msg.keys() <= self.keys:
+            check_keys(msg, self.keys, self.what)
+        return self._builds[self.what](msg)
+
+    def load_body(self, raw: Any, where: str) -> Any:
+        if type(raw) is not dict or raw.keys() != self.body_keys:
+            check_keys(raw, self.body_keys, where)
+        build = self._builds.get(where)
+        if build is None:
+            build = self._builds[where] = self._compile_build(where)
+        return build(raw)
+
+    def _compile_body(self, header: dict[str, Any]) -> Callable[..., Any]:
+        env: dict[str, Any] = {"before": self.before, "pack": pack}
+        lines, items, late = ["def f(obj):"], [f"{k!r}: {v!r}" for k, v in header.items()], []
+        if self.before is not None:
+            lines.append(" before(obj)")
+        for i, f in enumerate(self.fields):
+            value = f"obj.{f.attr}"
+            if f.kind.dump is not None:
+                env[f"d{i}"] = f.kind.dump
+                value = f"d{i}({value}, {f.attr!r})"
+            if type(f.key) is not str:
+                lines.append(f" t{i} = {value}")
+                items += [f"{k!r}: t{i}[{j}]" for j, k in enumerate(f.key)]
+            elif f.omit_none:
+                late.append(f" x = {value}\n if x is not None: msg[{f.key!r}] = x")
+            else:
+                items.append(f"{f.key!r}: {value}")
+        lines += [f" msg = {{{', '.join(items)}}}", *late]
+        lines.append(" return pack(msg)" if header else " return msg")
+        return _define(lines, env)["f"]
+
+    def _compile_build(self, where: str) -> Callable[[dict[str, Any]], Any]:
+        prefix = f"{where}." if where else ""
+        env: dict[str, Any] = {"cls": self.cls, "check": self.check}
+        lines = ["def build(msg):", " got = {}"]
+        for i, f in enumerate(sorted(self.fields, key=lambda f: f.attr not in self.first)):
+            if type(f.key) is str:
+                raw, name = f"msg[{f.key!r}]", repr(prefix + f.key)
+            else:
+                raw = f"({', '.join(f'msg[{k!r}]' for k in f.key)},)"
+                name = repr(tuple(prefix + k for k in f.key))
+            if f.kind.load is not None:
+                env[f"l{i}"] = f.kind.load
+                raw = f"l{i}({raw}, {name}, got)"
+            if f.omit_none:
+                raw = f"{raw} if {f.key!r} in msg else None"
+            lines.append(f" got[{f.attr!r}] = {raw}")
+        lines.append(" obj = cls(**got)")
+        if self.check is not None:
+            lines.append(f" check(obj, {where!r})")
+        return _define(lines + [" return obj"], env)["build"]
+
+
+def _keys(f: Field) -> tuple[str, ...]:
+    return (f.key,) if type(f.key) is str else f.key
+
+
+def _define(lines: list[str], env: dict[str, Any]) -> dict[str, Any]:
+    exec("\n".join(lines), env)  # noqa: S102 - source made above from the table, no input
+    return env
+
+
+def per(attr: str, or_none: bool = False) -> Count:
+    return lambda got, raw: 0 if or_none and raw == b"" else len(got[attr])
+
+
+
+def integer(lo: int = 0, hi: int = INT32_MAX, optional: bool = False) -> Kind:
+    def load(raw: Any, name: str, got: dict[str, Any]) -> int | None:
+        if type(raw) is int and lo <= raw <= hi or optional and raw is None:
+            return raw
+        return want_int(raw, name, lo, hi)
+
+    return Kind(None, load)
+
+
+def number(lo: float = -math.inf, optional: bool = False) -> Kind:
+    def load(raw: Any, name: str, got: dict[str, Any]) -> float | None:
+        if type(raw) is float and lo <= raw < math.inf or optional and raw is None:
+            return raw
+        return want_float(raw, name, lo)
+
+    return Kind(None, load)
+
+
+def text(max_chars: int) -> Kind:
+    return Kind(None, lambda raw, name, got: want_str(raw, name, max_chars))
+
+
+RIDS = Kind(None, lambda raw, name, got: want_rids(raw, name))
+RID = Kind(None, lambda raw, name, got: want_rids([raw], name)[0])
+TRACEPARENT = Kind(None, lambda raw, name, got: want_traceparent(raw, name))
+
+
+def ints(count: Count | None = None, lo: int = 0, hi: int = INT32_MAX) -> Kind:
+    return Kind(lambda v, attr: to_bin(v, I32, attr),
+                lambda raw, name, got: int_list(raw, count and count(got, raw), name, lo, hi))
+
+
+def floats(count: Count | None = None, upper_inf: bool = False) -> Kind:
+    return Kind(lambda v, attr: to_bin(v, F64, attr),
+                lambda raw, name, got: float_list(raw, count and count(got, raw), name, upper_inf))
+
+
+def ragged(count: Count | None, lo: int, hi: int,
+           check: Callable[[list[int], dict[str, Any]], None] | None = None) -> Kind:
+    """Lists of ints as two int32 bins: their lengths, then all of them in a row."""
+    def load(raw: tuple[Any, Any], names: tuple[str, str], got: dict[str, Any]
+             ) -> list[list[int]]:
+        lengths = int_list(raw[0], count and count(got, raw[0]), names[0], lo, hi)
+        if len(lengths) > MAX_BATCH:
+            raise ProtocolError(f"{names[0]}: batch of {len(lengths)} exceeds {MAX_BATCH}")
+        if check is not None:
+            check(lengths, got)
+        return split(int_list(raw[1], sum(lengths), names[1]), lengths)
+
+    return Kind(lambda v, attr: (to_bin([len(t) for t in v], I32, attr),
+                                 to_bin([t for ts in v for t in ts], I32, attr)), load)
+
+
+def column(dtype: np.dtype, count: Count, lo: int | None = None, hi: int | None = None,
+           optional: bool = False) -> Kind:
+    """A numpy column (int64 or float64 in memory) as a `dtype` bin."""
+    wide = np.dtype(np.int64 if dtype.kind == "i" else np.float64)
+
+    def load(raw: Any, name: str, got: dict[str, Any]) -> np.ndarray | None:
+        if optional and raw is None:
+            return None
+        arr = from_bin(raw, dtype, count(got, raw), name).astype(wide)
+        if lo is not None and arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+            raise ProtocolError(f"{name}: values must be in [{lo}, {hi}]")
+        return arr
+
+    return Kind(lambda v, attr: None if v is None else v.astype(dtype).tobytes(), load)
