@@ -28,6 +28,7 @@ from pipeline import protocol
 from pipeline.frontend import responses as resp
 from pipeline.frontend.app import ROUTES, ServerSettings, create_app
 from pipeline.frontend.openapi import openapi_schema
+from pipeline.protocol import verify_step
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -259,7 +260,8 @@ MSGPACK_VALUES = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(sorted(protocol._KEYS)), MSGPACK_VALUES, max_size=12))
+@given(st.dictionaries(st.sampled_from(sorted(verify_step.COLUMNS.keys)), MSGPACK_VALUES,
+                       max_size=12))
 def test_arbitrary_msgpack_maps_decode_or_raise_protocol_error(msg):
     # Keys drawn from the real schema, values of any msgpack type: either a valid step or a
     # ProtocolError, never another exception and never a half-built step.
