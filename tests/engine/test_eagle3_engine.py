@@ -95,6 +95,7 @@ def check_fed(proposer, references, head_dir):
         fresh.free(slot)
         at = 0
         for step in proposer.fed[rid]:
+            at = 0 if step.start == 0 else at  # a preempted request prefills again
             assert step.start == at
             n = len(step.next_tokens)
             assert step.next_tokens == full[at + 1:at + 1 + n]
@@ -120,6 +121,16 @@ def test_accepted_drafts_send_every_kept_position(runner, head_dir, references):
     assert got == references
     sizes = check_fed(proposer, references, head_dir)
     assert 4 in sizes and core.stats.accepted_tokens > 0  # kept 3 drafts + the bonus token
+
+
+def test_preempted_requests_rebuild_the_head_from_their_recompute(runner, head_dir,
+                                                                  references):
+    got, proposer, core = generate(runner, head_dir, references, kv_cache_tokens=64,
+                                   max_model_len=64)
+    assert core.scheduler.preemptions > 0
+    assert got == references
+    check_fed(proposer, references, head_dir)
+    assert any([s.start for s in steps].count(0) > 1 for steps in proposer.fed.values())
 
 
 def test_prefix_reuse_is_off_for_eagle3(runner, head_dir):
