@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 
 from pipeline.config import EngineConfig
+from pipeline.draft.eagle3.proposer import verifier_aux_layers
 from pipeline.grammar.memory import set_memory_budget
 from pipeline.models.runners import build_runner, set_torch_threads
 from pipeline.models.tp import check_ranks_agree, init_distributed
@@ -43,7 +44,8 @@ class TargetVerifier:
             init_distributed(self.rank, world, init_method)
         runner = build_runner(self.config, "target", tp_rank=self.rank, tp_world=world)
         self.verifier = Verifier(runner, driver=self.rank == 0,
-                                 agree=check_ranks_agree if world > 1 else None)
+                                 agree=check_ranks_agree if world > 1 else None,
+                                 aux_layers=verifier_aux_layers(self.config, runner.config))
         return {"vocab_size": runner.vocab_size,
                 "eos_token_ids": list(runner.config.eos_token_ids)}
 

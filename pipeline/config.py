@@ -18,7 +18,7 @@ from pipeline.spec_settings import FIELDS as SPEC_FIELDS
 from pipeline.spec_settings import SpecSettings, config_name
 from pipeline.spec_settings import validate as validate_spec
 
-DRAFT_KINDS = ("ngram", "suffix", "model", "none")
+DRAFT_KINDS = ("ngram", "suffix", "model", "eagle3", "none")
 BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHTS = ("quantized", "float")
@@ -34,6 +34,7 @@ class EngineConfig:
     name: str | None = None
     draft: str = "ngram"
     draft_model: str | None = None
+    eagle3_head: str | None = None  # a head's folder (docs/eagle3.md), for draft: eagle3
     draft_agreement_noise: float = 0.1
     # SpecSettings' fields: `speculation` is its `mode`, `spec_<x>` its `<x>`.
     num_speculative_tokens: int = SpecSettings.num_speculative_tokens
@@ -144,6 +145,8 @@ class EngineConfig:
             raise ValueError("model: must be a non-empty model source")
         if self.draft == "model" and not self.draft_model:
             raise ValueError("draft_model: required when draft is 'model'")
+        if self.draft == "eagle3" and not self.eagle3_head:
+            raise ValueError("eagle3_head: required when draft is 'eagle3' (a head's folder)")
         if self.draft == "none":
             self.num_speculative_tokens = 0
         elif self.num_speculative_tokens == 0:

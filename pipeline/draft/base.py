@@ -7,7 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from pipeline.params import SamplingParams
-from pipeline.protocol import Proposal
+from pipeline.protocol import HiddenStates, Proposal
 
 
 class Proposer(ABC):
@@ -30,6 +30,9 @@ class Proposer(ABC):
     @abstractmethod
     def remove(self, rid: str) -> None:
         """Forget a request and free what it held; unknown rids are ignored."""
+
+    def hidden_states(self, states: HiddenStates) -> None:
+        """The target's aux states at the positions the last step kept (an EAGLE-3 head)."""
 
     def prefill(self, rids: list[str], counts: list[int]) -> None:
         """The target prefilled counts[i] more prompt tokens of request i (a draft KV follows)."""

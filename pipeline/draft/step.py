@@ -23,6 +23,8 @@ def draft_step(proposer: Proposer, plan: StepPlan,
         grammars.apply(plan)
     for rid in plan.release:
         proposer.finish(rid, plan.finals.get(rid, []))
+    if plan.hidden is not None:  # before `new`: a request re-added here had its states freed
+        proposer.hidden_states(plan.hidden)
     for new in plan.new:
         proposer.add(new.rid, new.prompt_ids, new.params, new.tenant)
     for rid, tokens in plan.commits.items():
@@ -93,8 +95,15 @@ def _model(config: EngineConfig) -> Proposer:
     return DraftModelProposer(build_runner(config, role="draft"))
 
 
+def _eagle3(config: EngineConfig) -> Proposer:
+    from pipeline.draft.eagle3.proposer import build_eagle3_proposer  # lazy: reads a head
+
+    return build_eagle3_proposer(config)
+
+
 def _none(config: EngineConfig) -> Proposer:
     return NoProposer()
 
 
-_BUILDERS = {"ngram": _ngram, "suffix": _suffix, "model": _model, "none": _none}
+_BUILDERS = {"ngram": _ngram, "suffix": _suffix, "model": _model, "eagle3": _eagle3,
+             "none": _none}

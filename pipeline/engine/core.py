@@ -19,7 +19,7 @@ from pipeline.engine.stall import StallDetector, plan_tokens
 from pipeline.engine.stats import EngineStats, scheduler_view
 from pipeline.errors import EngineDeadError
 from pipeline.output.request_output import RequestOutput
-from pipeline.protocol import EngineCall, NewRequest, StepOutcome, StepPlan
+from pipeline.protocol import EngineCall, HiddenStates, NewRequest, StepOutcome, StepPlan
 
 
 class Stages(Protocol):
@@ -87,6 +87,8 @@ class EngineCore:
         self._task: asyncio.Task | None = None
         self._dropped = 0
         self._in_step = False
+        # the last outcome's aux states, for the next plan's draft stage (draft: eagle3)
+        self._hidden: HiddenStates | None = None
         self._step_started: float | None = None
         self._cached: dict[str, int] = {}  # prefix-cache hits, until the request's first delta
         # finished, slots not yet released: a late step may still carry their ids' tokens
@@ -198,6 +200,7 @@ class EngineCore:
         tokens = plan_tokens(plan)
         self.stall_bound_s = self.stall.bound(tokens)
         started = self._step_started = time.monotonic()
+        plan.hidden, self._hidden = self._hidden, None
         step = asyncio.ensure_future(self._timed(self.stages.run_step(plan), plan.step, "verify"))
         if pending is not None:
             await self._deliver(pending)
@@ -206,6 +209,7 @@ class EngineCore:
         finally:
             if span is not None:
                 span.end()
+        self._hidden = outcome.hidden
         # every step that carried a released request is processed now: its id is free again
         for rid in plan.release:
             released = self._unreleased.pop(rid, None)
@@ -301,6 +305,7 @@ class EngineCore:
     def _fail(self, exc: BaseException) -> None:
         reason = str(exc) or type(exc).__name__
         self.dead_reason = f"{type(exc).__name__}: {reason}"
+        self._hidden = None
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(self.dead_reason)
         for rid, stream in list(self._streams.items()):
             stream.put(error)

@@ -8,6 +8,7 @@ from typing import Any
 
 from pipeline.config import EngineConfig
 from pipeline.draft.base import Proposer
+from pipeline.draft.eagle3.proposer import verifier_aux_layers
 from pipeline.draft.step import build_proposer, draft_step
 from pipeline.engine.core import EngineCore
 from pipeline.grammar.memory import set_memory_budget
@@ -63,7 +64,9 @@ def build_local_engine(config: EngineConfig, runner: Any = None, proposer: Propo
     set_memory_budget(config.grammar_memory_mb << 20)
     runner = runner or build_runner(config, "target")
     output = make_output_processor(runner.tokenizer, eos_token_ids(runner.tokenizer))
-    stages = stages_type(proposer or build_proposer(config), Verifier(runner), output)
+    aux = verifier_aux_layers(config, runner.config)
+    stages = stages_type(proposer or build_proposer(config), Verifier(runner, aux_layers=aux),
+                         output)
     return EngineCore(config, stages, runner.vocab_size)
 
 

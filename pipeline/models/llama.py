@@ -139,18 +139,25 @@ class LlamaModel(nn.Module):
         return self.layers[0].attn.n_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                attn_metadata: AttnMetadata, logits_idx: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                attn_metadata: AttnMetadata, logits_idx: torch.Tensor | None = None,
+                aux_layers: list[int] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With `aux_layers`: (logits, [tokens, len(aux_layers) * H]), the residual stream
+        entering each of those layers (EAGLE-3's aux hidden states), every token's row."""
         x = self.embed(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
+        entering = {}
         for i, layer in enumerate(self.layers):
+            if aux_layers and i in aux_layers:
+                entering[i] = x
             x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], attn_metadata)
         if logits_idx is not None:
             x = x[logits_idx]
         x = self.norm(x)
-        if self.lm_head is None:
-            return F.linear(x, self.embed.weight)
-        return self.lm_head(x)
+        logits = F.linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)
+        if aux_layers:
+            return logits, torch.cat([entering[i] for i in aux_layers], dim=-1)
+        return logits
 
 
 class CpuLinear(nn.Module):

@@ -5,6 +5,7 @@ same methods with the same arguments in lockstep, so they hold the same slot and
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,11 +75,12 @@ class ModelRunner:
         self.cache.truncate(slot, length)
 
     def forward(self, slots: list[int], runs: list[list[int]],
-                last_only: bool | list[bool] = False, packed: bool = False
-                ) -> list[torch.Tensor] | torch.Tensor:
+                last_only: bool | list[bool] = False, packed: bool = False,
+                aux_layers: list[int] | None = None) -> Any:
         """Append run i at slot i's length; per-run float32 logits [len(run), vocab]. `last_only`
         (one flag or one per run): only the run's last row, skipping the LM head for the rest.
-        `packed`: one stacked [N, vocab] tensor instead of a list."""
+        `packed`: one stacked [N, vocab] tensor instead of a list. With `aux_layers` (a Llama
+        model): (logits, every token's aux hidden states [sum(len(run)), n_aux * H])."""
         starts = self._validate(slots, runs)
         q_lens = [len(r) for r in runs]
         flags = [last_only] * len(runs) if isinstance(last_only, bool) else list(last_only)
@@ -99,14 +101,18 @@ class ModelRunner:
             ends = list(itertools.accumulate(q_lens))
             rows = [range(e - o, e) for e, o in zip(ends, out_lens)]
             logits_idx = torch.tensor([i for r in rows for i in r], device=self.device)
+        extra = {"aux_layers": aux_layers} if aux_layers else {}
         with torch.inference_mode():
-            logits = self.model(torch.from_numpy(ids).to(self.device), meta.positions,
-                                self.cache, meta, logits_idx=logits_idx).float()
+            out = self.model(torch.from_numpy(ids).to(self.device), meta.positions,
+                             self.cache, meta, logits_idx=logits_idx, **extra)
+        logits, aux = out if aux_layers else (out, None)
+        logits = logits.float()
         lengths, tokens = self.cache.lengths, self.cache.tokens
         for slot, run in zip(slots, runs):
             lengths[slot] += len(run)
             tokens[slot].extend(run)
-        return logits if packed else list(logits.split(out_lens))
+        logits = logits if packed else list(logits.split(out_lens))
+        return (logits, aux) if aux_layers else logits
 
     def _validate(self, slots: list[int], runs: list[list[int]]) -> list[int]:
         if len(slots) != len(runs):

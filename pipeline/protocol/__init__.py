@@ -5,7 +5,9 @@ the engine (`engine_call`). Imports nothing above it: every stage may import the
 protocol imports no stage."""
 
 from pipeline.protocol.engine_call import EngineCall
+from pipeline.protocol.hidden import HIDDEN_VERSION, decode_hidden, encode_hidden
 from pipeline.protocol.messages import (
+    HiddenStates,
     NewRequest,
     Proposal,
     RankReport,
@@ -52,13 +54,13 @@ from pipeline.protocol.wire import (
 )
 
 __all__ = [
-    "MAX_BATCH", "MAX_DRAFTED", "MAX_PAYLOAD_BYTES", "MAX_RID_CHARS", "MAX_TOP_N",
-    "NEW_REQUEST_VERSION", "OUTCOME_VERSION", "PLAN_VERSION", "PROPOSAL_VERSION",
-    "PROTOCOL_VERSION", "RANK_REPORT_VERSION", "SAMPLING_FIELDS", "EngineCall",
+    "HIDDEN_VERSION", "MAX_BATCH", "MAX_DRAFTED", "MAX_PAYLOAD_BYTES", "MAX_RID_CHARS",
+    "MAX_TOP_N", "NEW_REQUEST_VERSION", "OUTCOME_VERSION", "PLAN_VERSION", "PROPOSAL_VERSION",
+    "PROTOCOL_VERSION", "RANK_REPORT_VERSION", "SAMPLING_FIELDS", "EngineCall", "HiddenStates",
     "NewRequest", "Proposal", "ProtocolError", "RankReport",
     "StepColumns", "StepOutcome", "StepPlan", "VerifyStep", "columns_from_step",
-    "decode", "decode_columns", "decode_new_request", "decode_outcome", "decode_plan",
-    "decode_proposal", "decode_rank_report", "draft_room", "encode", "encode_columns",
-    "encode_new_request", "encode_outcome", "encode_plan", "encode_proposal", "encode_rank_report",
-    "validate_columns",
+    "decode", "decode_columns", "decode_hidden", "decode_new_request", "decode_outcome",
+    "decode_plan", "decode_proposal", "decode_rank_report", "draft_room", "encode",
+    "encode_columns", "encode_hidden", "encode_new_request", "encode_outcome", "encode_plan",
+    "encode_proposal", "encode_rank_report", "validate_columns",
 ]

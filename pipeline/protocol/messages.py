@@ -5,6 +5,7 @@ output), declared together:
     StepPlan     engine -> draft worker and every verifier rank
     Proposal     draft worker -> verifier ranks
     StepOutcome  verifier rank 0 -> engine (the full VerifyStep goes to the output stage)
+    HiddenStates inside an outcome, then the next plan: aux hidden states for an EAGLE-3 draft
     RankReport   every other verifier rank -> engine (its KV digest, checked against rank 0's)
 
 In one process they pass as these objects; between processes each is versioned msgpack
@@ -48,6 +49,21 @@ class NewRequest:
 
 
 @dataclass
+class HiddenStates:
+    """The target's aux hidden states at the positions a step kept: request i's
+    positions starts[i]..starts[i]+counts[i]-1 are `rows`' next counts[i] rows ([sum(counts),
+    n_aux * H] on the CPU, float32, float16 or bfloat16)."""
+
+    rids: list[str]
+    starts: list[int]
+    counts: list[int]
+    rows: Any
+
+    def split(self) -> list[Any]:
+        return list(self.rows.split(self.counts)) if self.rids else []
+
+
+@dataclass
 class StepPlan:
     step: int
     # finished/aborted/preempted: free their slots first (a preempted rid may come back later
@@ -73,6 +89,7 @@ class StepPlan:
     # finished outputs, e.g. suffix drafting's global index, keeps the whole output)
     finals: dict[str, list[int]] = field(default_factory=dict)
     traceparent: str | None = None
+    hidden: HiddenStates | None = None  # the last outcome's, for an EAGLE-3 draft stage
 
     @property
     def rids(self) -> list[str]:
@@ -142,6 +159,7 @@ class StepOutcome:
     # set by the engine's side, never encoded: verified without a proposal because the draft
     # stage was lost (pipeline.engine.draft_failover), not because the controller chose k = 0
     undrafted: bool = False
+    hidden: HiddenStates | None = None  # the kept positions' aux states (draft: eagle3)
 
 
 @dataclass

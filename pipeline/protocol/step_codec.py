@@ -12,6 +12,7 @@ import numpy as np
 
 from pipeline.params import GRAMMAR_KINDS, Grammar, SamplingParams
 from pipeline.protocol import wire
+from pipeline.protocol.hidden import HIDDEN_FIELD, MAX_HIDDEN_BYTES
 from pipeline.protocol.messages import NewRequest, Proposal, RankReport, StepOutcome, StepPlan
 from pipeline.protocol.wire import (
     F32,
@@ -47,9 +48,9 @@ from pipeline.protocol.wire import (
 )
 
 NEW_REQUEST_VERSION = 1
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: hid (HiddenStates, optional)
 PROPOSAL_VERSION = 1
-OUTCOME_VERSION = 2  # 2: kvd (rank 0's KV digest)
+OUTCOME_VERSION = 3  # 2: kvd (rank 0's KV digest); 3: hid (HiddenStates, optional)
 RANK_REPORT_VERSION = 1
 MAX_DIGEST_BYTES = 64
 MAX_PROPOSAL_BYTES = (1 << 31) - 1  # draft probabilities: B * k * vocab float32
@@ -270,7 +271,8 @@ PLAN = Codec(StepPlan, {"v": PLAN_VERSION, "m": "plan"}, [
     Field("commits", "com", TOKEN_MAP),
     Field("finals", "fin", TOKEN_MAP),
     Field("traceparent", "tp", TRACEPARENT),
-], check=_check_plan)
+    Field("hidden", "hid", HIDDEN_FIELD, omit_none=True),
+], check=_check_plan, max_bytes=MAX_HIDDEN_BYTES)
 PROPOSAL = Codec(Proposal, {"v": PROPOSAL_VERSION, "m": "proposal"}, [
     Field("tokens", ("n", "tok"), ragged(None, 0, MAX_DRAFTED)),
     Field("probs", ("pm", "pv", "pq"), Kind(_dump_probs, _load_probs)),
@@ -286,7 +288,9 @@ OUTCOME = Codec(StepOutcome, {"v": OUTCOME_VERSION, "m": "outcome"}, [
     Field("decode_s", "ds", number(0.0, optional=True)),
     Field("cached", "cached", ints()),
     Field("kv_digest", "kvd", DIGEST),
-], before=_before_outcome, check=_check_outcome, first=("step", "rids", "drafted"))
+    Field("hidden", "hid", HIDDEN_FIELD, omit_none=True),
+], before=_before_outcome, check=_check_outcome, first=("step", "rids", "drafted"),
+    max_bytes=MAX_HIDDEN_BYTES)
 RANK_REPORT = Codec(RankReport, {"v": RANK_REPORT_VERSION, "m": "rank"}, [
     Field("step", "step", integer(0, MAX_STEP)),
     Field("rank", "rank", integer(1, 1 << 16)),

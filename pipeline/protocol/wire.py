@@ -56,11 +56,13 @@ def unpack(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[str, Any]:
     return msg
 
 
-def check_keys(msg: Any, keys: frozenset[str], what: str) -> None:
+def check_keys(msg: Any, keys: frozenset[str], what: str, optional: frozenset[str] = frozenset()
+               ) -> None:
     if not isinstance(msg, dict):
         raise ProtocolError(f"{what} must be a map")
-    if set(msg) != keys:
-        missing, unknown = sorted(keys - set(msg)), sorted(map(str, set(msg) - keys))
+    if not keys - optional <= set(msg) <= keys:
+        missing = sorted(keys - optional - set(msg))
+        unknown = sorted(map(str, set(msg) - keys))
         raise ProtocolError(f"{what}: missing fields {missing}, unknown fields {unknown}")
 
 
@@ -217,7 +219,7 @@ class Codec:
             raise ProtocolError(f"{self.what}: unsupported version {msg.get('v')!r} "
                                 f"(this reader knows {v})")
         if not self.required <= msg.keys() <= self.keys:
-            check_keys(msg, self.keys, self.what)
+            check_keys(msg, self.keys, self.what, frozenset(self.keys - self.required))
         return self._builds[self.what](msg)
 
     def load_body(self, raw: Any, where: str) -> Any:

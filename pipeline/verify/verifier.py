@@ -18,6 +18,7 @@ from pipeline.grammar.tracker import GrammarTracker
 from pipeline.models.runner import ModelRunner
 from pipeline.params import SamplingParams
 from pipeline.protocol import (
+    HiddenStates,
     Proposal,
     RankReport,
     StepColumns,
@@ -42,9 +43,12 @@ class _Request:
 class Verifier:
     def __init__(self, runner: ModelRunner, driver: bool = True,
                  generator: torch.Generator | None = None,
-                 agree: Callable[[bytes, str], None] | None = None) -> None:
-        """`agree(digest, what)`: raises on every rank when the ranks' digests differ."""
+                 agree: Callable[[bytes, str], None] | None = None,
+                 aux_layers: list[int] | None = None) -> None:
+        """`agree(digest, what)`: raises on every rank when the ranks' digests differ.
+        `aux_layers`: an EAGLE-3 draft's; rank 0 returns their states (`StepOutcome.hidden`)."""
         self.runner = runner
+        self.aux_layers = list(aux_layers or [])
         self.driver = driver
         self.generator = generator
         self.agree = agree
@@ -84,7 +88,7 @@ class Verifier:
             return StepOutcome(plan.step, [], [], [], kv_digest=self.kv_digest) \
                 if self.driver else None
         drafts = self._drafts(plan, proposal)
-        logits, decode_s = self._forward(plan, chunks, drafts)
+        logits, aux, decode_s = self._forward(plan, chunks, drafts)
         self.kv_digest = self.runner.cache.digest()
         done = [i for i, (_, ids, _, end) in enumerate(chunks) if end == len(ids)]
         ended = [self._requests[chunks[i][0]] for i in done]
@@ -109,6 +113,8 @@ class Verifier:
                                hits, len(plan.decode))
             outcome.cached = cached
         outcome.kv_digest = self.kv_digest
+        if aux is not None:
+            outcome.hidden = _kept_states(plan, chunks, drafts, aux, outcome.tokens[len(done):])
         if proposal is not None and proposal.confidence is not None:
             outcome.expected = [None] * len(done) + [
                 float(sum(c[: len(d)])) for c, d in zip(proposal.confidence, drafts)]
@@ -127,7 +133,9 @@ class Verifier:
                 raise ValueError(f"verifier: request {new.rid!r} is already running")
             req = self._requests[new.rid] = _Request(self.runner.allocate(), new.params,
                                                      new.prompt_ids, new.num_output)
-            req.hit = hit = self.runner.attach_prefix(req.slot, new.prompt_ids)
+            # an EAGLE-3 head needs every position's states: a cached prefix has none
+            req.hit = hit = 0 if self.aux_layers else self.runner.attach_prefix(
+                req.slot, new.prompt_ids)
             cached.append(hit)
             end = len(new.prompt_ids) if new.chunk is None else min(len(new.prompt_ids),
                                                                      hit + new.chunk)
@@ -154,10 +162,11 @@ class Verifier:
         return [list(tokens[:n]) for tokens, n in zip(proposal.tokens, limits)]
 
     def _forward(self, plan: StepPlan, chunks: list[tuple[str, list[int], int, int]],
-                 drafts: list[list[int]]) -> tuple[torch.Tensor, float | None]:
-        """Packed [N, V] logits (a row per prefill chunk, 1 + k per verify) and the forward's
-        seconds when it held decodes only. One forward for both: its fixed cost (every weight
-        read once) is paid once a step."""
+                 drafts: list[list[int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+        """Packed [N, V] logits (a row per prefill chunk, 1 + k per verify), rank 0's aux
+        states of every token when asked, and the forward's seconds when it held decodes only.
+        One forward for both: its fixed cost (every weight read once) is paid once a step."""
         slots = [self._requests[rid].slot for rid, _, _, _ in chunks]
         runs = [ids[start:end] for _, ids, start, end in chunks]
         decode_slots = [self._requests[rid].slot for rid in plan.decode]
@@ -166,12 +175,14 @@ class Verifier:
         slots += decode_slots
         runs += [[last] + d for last, d in zip(plan.last_tokens, drafts)]
         start = time.perf_counter()
-        logits = self.runner.forward(slots, runs, last_only=[True] * len(chunks)
-                                     + [False] * len(plan.decode), packed=True)
+        capture = self.aux_layers if self.driver else None
+        out = self.runner.forward(slots, runs, last_only=[True] * len(chunks)
+                                  + [False] * len(plan.decode), packed=True, aux_layers=capture)
+        logits, aux = out if capture else (out, None)
         seconds = time.perf_counter() - start
         for slot in slots[: len(chunks)]:  # committed: full blocks become cacheable
             self.runner.truncate(slot, self.runner.length(slot))
-        return logits, seconds if not chunks else None
+        return logits, aux, seconds if not chunks else None
 
     def _draft_probs(self, proposal: Proposal | None, drafts: list[list[int]],
                      offset: int) -> torch.Tensor | None:
@@ -185,6 +196,29 @@ class Verifier:
                 # a CPU tensor in process, a numpy array after crossing one (step_codec)
                 q[offset + i, : len(d)] = torch.as_tensor(p[: len(d)]).to(q.device)
         return q
+
+
+def _kept_states(plan: StepPlan, chunks: list[tuple[str, list[int], int, int]],
+                 drafts: list[list[int]], aux: torch.Tensor, decode_tokens: list[list[int]]
+                 ) -> HiddenStates:
+    """Every prefilled position's states, and each verify's kept ones (its newest token's and
+    the accepted drafts'), as EAGLE feeds its head; bfloat16 unless the target runs float16."""
+    rids, starts, counts, rows, at = [], [], [], [], 0
+    for rid, _, start, end in chunks:
+        rids.append(rid)
+        starts.append(start)
+        counts.append(end - start)
+        rows.extend(range(at, at + end - start))
+        at += end - start
+    for rid, kv_len, d, kept in zip(plan.decode, plan.kv_lens, drafts, decode_tokens):
+        rids.append(rid)
+        starts.append(kv_len)
+        counts.append(len(kept))
+        rows.extend(range(at, at + len(kept)))
+        at += 1 + len(d)
+    dtype = torch.float16 if aux.dtype == torch.float16 else torch.bfloat16
+    picked = aux[torch.tensor(rows, dtype=torch.long, device=aux.device)]
+    return HiddenStates(rids, starts, counts, picked.to(dtype).cpu())
 
 
 def _accept(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
