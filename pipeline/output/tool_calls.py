@@ -1,0 +1,135 @@
+"""Hermes / Qwen2.5 tool calls (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) parsed
+from a choice's text deltas as they arrive (docs/tool-calling.md). Text before a call start is
+content, held only while its end could be the start of a marker; a call is sent whole once it
+closes and parses, so one that does not parse is content, never a broken `tool_calls` entry."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+START, END = "<tool_call>", "</tool_call>"
+PARSERS = ("none", "hermes")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    index: int
+    id: str
+    name: str
+    arguments: str  # a JSON object's text
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ToolDelta:
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, other: ToolDelta) -> None:
+        self.content += other.content
+        self.calls += other.calls
+
+
+def partial_marker(text: str, marker: str = START) -> int:
+    """The longest suffix of `text` that is a proper prefix of `marker`."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class HermesStream:
+    """`feed` each text delta, then `finish`; the deltas' concatenation is the same however the
+    text was cut. After the first call, whitespace between calls is dropped; other text there
+    stays content."""
+
+    def __init__(self, names: Collection[str] | None = None,
+                 new_id: Callable[[int], str] = lambda i: f"call_{i}") -> None:
+        self.names = None if names is None else frozenset(names)
+        self.new_id = new_id
+        self.calls: list[ToolCall] = []
+        self.content = ""
+        self._buf = ""
+        self._in_call = False
+        self._seg = ""  # whitespace after a call, dropped unless more text follows
+        self._seg_is_content = True  # the text before the first call always is
+
+    def feed(self, text: str) -> ToolDelta:
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> ToolDelta:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> ToolDelta:
+        out = ToolDelta()
+        while True:
+            if self._in_call:
+                j = self._buf.find(END)
+                if j < 0:
+                    if final:  # never closed: the raw text is content
+                        out.content += START + self._buf
+                        self._buf = ""
+                    break
+                body, self._buf = self._buf[:j], self._buf[j + len(END):]
+                self._in_call, self._seg, self._seg_is_content = False, "", False
+                call = self._parse(body)
+                if call is None:
+                    out.content += START + body + END
+                else:
+                    out.calls.append(call)
+                    self.calls.append(call)
+                continue
+            i = self._buf.find(START)
+            if i >= 0:
+                self._outside(out, self._buf[:i], closing=True)
+                self._buf, self._in_call = self._buf[i + len(START):], True
+                continue
+            keep = 0 if final else partial_marker(self._buf)
+            cut = len(self._buf) - keep
+            self._outside(out, self._buf[:cut], closing=final)
+            self._buf = self._buf[cut:]
+            break
+        self.content += out.content
+        return out
+
+    def _outside(self, out: ToolDelta, text: str, closing: bool) -> None:
+        if self._seg_is_content or text.strip():
+            out.content += self._seg + text
+            self._seg, self._seg_is_content = "", True
+        else:
+            self._seg += text
+        if closing:
+            self._seg = ""
+
+    def _parse(self, body: str) -> ToolCall | None:
+        try:
+            obj = json.loads(body, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(obj, dict) or set(obj) - {"name", "arguments"}:
+            return None
+        name, args = obj.get("name"), obj.get("arguments", {})
+        if not isinstance(name, str) or not isinstance(args, dict):
+            return None
+        if self.names is not None and name not in self.names:
+            return None
+        index = len(self.calls)
+        return ToolCall(index, self.new_id(index), name, json.dumps(args, ensure_ascii=False))
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_tool_calls(text: str, names: Collection[str] | None = None) -> ToolDelta:
+    """The whole-text parse: what the streamed deltas add up to."""
+    stream = HermesStream(names)
+    out = stream.feed(text)
+    out.add(stream.finish())
+    return out
