@@ -77,8 +77,9 @@ class HermesStream:
                         self._buf = ""
                     break
                 body, self._buf = self._buf[:j], self._buf[j + len(END):]
-                self._in_call, self._seg, self._seg_is_content = False, "", False
                 call = self._parse(body)
+                # Text after a call that stays content is content too.
+                self._in_call, self._seg, self._seg_is_content = False, "", call is None
                 if call is None:
                     out.content += START + body + END
                 else:
