@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.frontend.errors import bad_request
+from pipeline.frontend.tools import tool_grammar
 from pipeline.grammar.llg import compile_grammar
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice")
@@ -14,7 +15,7 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice")
 def wants_grammar(req: Any) -> bool:
     fmt = req.response_format
     return any(getattr(req, name) is not None for name in GUIDED) or (
-        fmt is not None and fmt.get("type") != "text")
+        fmt is not None and fmt.get("type") != "text") or tool_grammar(req) is not None
 
 
 def grammar_source(req: Any) -> tuple[str, Any, str] | None:
@@ -30,6 +31,9 @@ def grammar_source(req: Any) -> tuple[str, Any, str] | None:
         found.append(("regex", req.guided_regex, "guided_regex"))
     if req.guided_choice is not None:
         found.append(("choice", req.guided_choice, "guided_choice"))
+    tools = tool_grammar(req)
+    if tools is not None:
+        found.append(("lark", tools, "tool_choice"))
     if len(found) > 1:
         names = ", ".join(param.split(".")[0] for _, _, param in found)
         raise bad_request(f"{names}: set at most one structured output parameter",

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.frontend.errors import bad_request
+from pipeline.output.tool_calls import END, START
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # OpenAI's function name rule
 
@@ -113,3 +114,24 @@ def supports_tools(tokenizer: Any) -> bool:
         template = " ".join(str(t) for t in template.values())
     return isinstance(template, str) and "tools" in template
 
+
+def tool_grammar(req: Any) -> str | None:
+    """`required` or a named tool_choice as a Lark grammar: Hermes calls whose JSON follows the
+    tools' schemas, so every call parses; None when the output is free."""
+    choice = getattr(req, "tool_choice", None)
+    if not req_tools(req) or choice in (None, "none", "auto"):
+        return None
+    tools = [t for t in req.tools if not isinstance(choice, NamedToolChoice)
+             or t.function.name == choice.function.name]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t.function.name},
+                             "arguments": t.function.parameters or {"type": "object"}}}
+             for t in tools]
+    schema = {"x-guidance": {"whitespace_flexible": False}, "anyOf": calls}
+    more = ' ("\\n" call)*' if req.parallel_tool_calls is not False else ""
+    return (f'start: call{more}\ncall: "{START}\\n" body "\\n{END}"\n'
+            f"body: %json {json.dumps(schema)}\n")
+
+
+def req_tools(req: Any) -> list[Tool]:
+    return getattr(req, "tools", None) or []
