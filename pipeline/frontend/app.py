@@ -36,6 +36,7 @@ from pipeline.frontend.tenant import bearer_token, tenant_id
 from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.frontend.tools import parses_tool_calls, supports_tools, template_tools, tool_names
 from pipeline.frontend.writer import ResponseShape, ResponseWriter, SSEResponse
+from pipeline.output.tool_calls import START
 from pipeline.params import SamplingParams
 from pipeline.tracing.otel import context_from_traceparent, get_tracer
 
@@ -129,6 +130,8 @@ class Server:
             raise APIError(400, "tools: this model's chat template does not support tools, so "
                            "they cannot be shown to the model", param="tools",
                            code="unsupported_parameter")
+        if parses_tool_calls(req) and START in self.tok.special_texts():
+            req.skip_special_tokens = False  # as vLLM: the parser must see special markers
         ids = self.tok.chat_prompt(reqs.chat_messages_as_dicts(req), req.add_generation_prompt,
                                    split_special_tokens=self.split_special(req),
                                    tools=template_tools(req))

@@ -197,3 +197,16 @@ def test_tool_call_parser_is_validated_at_load():
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerSettings(tool_call_parser="mistral")
     assert EngineConfig(model="tiny:1", tool_call_parser="hermes").tool_call_parser == "hermes"
+
+
+def test_special_token_markers_are_kept_in_the_text_for_the_parser():
+    class Special(TemplateByteTok):
+        all_special_tokens = ("<tool_call>", "</tool_call>")
+
+    engine = engine_for(ONE_CALL)
+    for body, skip in (({"tools": [WEATHER]}, False), ({}, True),
+                       ({"tools": [WEATHER], "tool_choice": "none"}, True)):
+        r = asyncio.run(call(app_for(engine, Special()), "POST", CHAT,
+                             {"messages": USER, "max_tokens": 4, **body}))
+        assert r.status_code == 200, r.text
+        assert list(engine.requests.values())[-1].skip_special_tokens is skip
