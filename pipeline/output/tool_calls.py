@@ -56,15 +56,32 @@ class HermesStream:
         self.content = ""
         self._buf = ""
         self._in_call = False
+        # A call's text arrives in `_parts`, joined only once END may be in it: long arguments
+        # stay linear. `_tail`: the call text's last len(END) - 1 characters.
+        self._parts: list[str] = []
+        self._tail = ""
         self._seg = ""  # whitespace after a call, dropped unless more text follows
         self._seg_is_content = True  # the text before the first call always is
 
     def feed(self, text: str) -> ToolDelta:
-        self._buf += text
+        if self._in_call and END not in self._tail + text:
+            self._parts.append(text)
+            self._tail = (self._tail + text)[1 - len(END):]
+            return ToolDelta()
+        self._join(text)
         return self._drain(final=False)
 
     def finish(self) -> ToolDelta:
+        self._join("")
         return self._drain(final=True)
+
+    def _join(self, text: str) -> None:
+        if self._parts:
+            self._parts.append(text)
+            self._buf += "".join(self._parts)
+            self._parts.clear()
+        else:
+            self._buf += text
 
     def _drain(self, final: bool) -> ToolDelta:
         out = ToolDelta()
@@ -72,6 +89,7 @@ class HermesStream:
             if self._in_call:
                 j = self._buf.find(END)
                 if j < 0:
+                    self._tail = self._buf[1 - len(END):]
                     if final:  # never closed: the raw text is content
                         out.content += START + self._buf
                         self._buf = ""
