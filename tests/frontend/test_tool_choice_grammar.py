@@ -30,6 +30,7 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
 
 
 def chat_many(requests: list[dict]) -> list:
+    """Each request's completion; one with "stream": True reassembled by the SDK's helper."""
     config = load_config("configs/tiny.yaml", {"attention_backend": "sdpa",
                                                "max_model_len": 2048})
     core = build_local_engine(config)
@@ -41,9 +42,16 @@ def chat_many(requests: list[dict]) -> list:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://test", timeout=240) as http:
                 c = openai.AsyncOpenAI(api_key="x", base_url="http://test/v1", http_client=http)
-                return [await c.chat.completions.create(
-                    model=config.served_name, messages=[{"role": "user", "content": "weather?"}],
-                    **kw) for kw in requests]
+                done = []
+                for kw in requests:
+                    kw = {"model": config.served_name,
+                          "messages": [{"role": "user", "content": "weather?"}], **kw}
+                    if not kw.pop("stream", False):
+                        done.append(await c.chat.completions.create(**kw))
+                        continue
+                    async with c.chat.completions.stream(**kw) as s:
+                        done.append(await s.get_final_completion())
+                return done
         finally:
             await core.stop()
     return asyncio.run(go())
@@ -72,3 +80,15 @@ def test_required_and_named_calls_always_parse_and_validate_at_temperature_1(n_r
         else:
             assert i < n_required * n and isinstance(json.loads(call.arguments), dict)
     assert "get_weather" in names
+
+
+def test_required_and_named_streamed_reassemble_to_the_non_streamed_call():
+    base = {"tools": [WEATHER, SEARCH], "temperature": 1.0, "max_tokens": 200, "seed": 5}
+    named = {"type": "function", "function": {"name": "search"}}
+    kws = [{**base, "tool_choice": "required"}, {**base, "tool_choice": named}]
+    done = chat_many([*kws, *({**kw, "stream": True} for kw in kws)])
+    got = [[(t.function.name, t.function.arguments) for t in d.choices[0].message.tool_calls]
+           for d in done]
+    assert got[:2] == got[2:]
+    assert all(d.choices[0].finish_reason == "tool_calls" for d in done)
+    assert {name for name, _ in got[1]} == {"search"}
