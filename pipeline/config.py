@@ -268,6 +268,6 @@ def _check_tracing(tracing: dict[str, Any]) -> None:
 
 
 def _check_tool_call_parser(name: str) -> None:
-    from pipeline.output.tool_calls import PARSERS  # lazy: the output package loads llguidance
+    from pipeline.output.tool_parsers import PARSERS  # lazy: the output package loads llguidance
 
     check.choice("tool_call_parser", name, PARSERS)

@@ -36,7 +36,7 @@ from pipeline.frontend.tenant import bearer_token, tenant_id
 from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.frontend.tools import parses_tool_calls, supports_tools, template_tools, tool_names
 from pipeline.frontend.writer import ResponseShape, ResponseWriter, SSEResponse
-from pipeline.output.tool_calls import START
+from pipeline.output.tool_parsers import MARKERS
 from pipeline.params import SamplingParams
 from pipeline.tracing.otel import context_from_traceparent, get_tracer
 
@@ -130,7 +130,8 @@ class Server:
             raise APIError(400, "tools: this model's chat template does not support tools, so "
                            "they cannot be shown to the model", param="tools",
                            code="unsupported_parameter")
-        if parses_tool_calls(req) and START in self.tok.special_texts():
+        parser = self.settings.tool_call_parser
+        if parses_tool_calls(req) and set(MARKERS[parser]) & set(self.tok.special_texts()):
             req.skip_special_tokens = False  # as vLLM: the parser must see special markers
         ids = self.tok.chat_prompt(reqs.chat_messages_as_dicts(req), req.add_generation_prompt,
                                    split_special_tokens=self.split_special(req),
@@ -166,8 +167,9 @@ class Server:
                            type="server_error", code="server_shutting_down")
         chat = isinstance(req, reqs.ChatCompletionRequest)
         grammar = None
-        if wants_grammar(req):  # compiled (and refused with a 400) before a slot is taken
-            grammar = await asyncio.to_thread(request_grammar, req, self.tok.tok)
+        tool_parser = self.settings.tool_call_parser
+        if wants_grammar(req, tool_parser):  # compiled (and refused with a 400) before a slot
+            grammar = await asyncio.to_thread(request_grammar, req, self.tok.tok, tool_parser)
         jobs = self._jobs(req, prompts, info, grammar)  # all validated before any starts
         for ids in prompts:
             self.metrics.observe_prompt(len(ids))
@@ -180,6 +182,7 @@ class Server:
             num_prompts=len(prompts),
             want_logprobs=jobs[0].params.logprobs is not None,
             tool_names=tool_names(req) if chat and parses_tool_calls(req) else None,
+            tool_parser=self.settings.tool_call_parser,
             include_usage=bool(req.stream and req.stream_options
                                and req.stream_options.include_usage))
         tenant = tenant_id(bearer_token(request.scope.get("headers") or []), req.user)

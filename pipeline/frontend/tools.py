@@ -115,22 +115,26 @@ def supports_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def tool_grammar(req: Any) -> str | None:
-    """`required` or a named tool_choice as a Lark grammar: Hermes calls whose JSON follows the
-    tools' schemas, so every call parses; None when the output is free."""
+def tool_grammar(req: Any, parser: str = "hermes") -> str | None:
+    """`required` or a named tool_choice as a Lark grammar: calls in the parser's format whose
+    JSON follows the tools' schemas, so every call parses; None when the output is free."""
     choice = getattr(req, "tool_choice", None)
     if not req_tools(req) or choice in (None, "none", "auto"):
         return None
     tools = [t for t in req.tools if not isinstance(choice, NamedToolChoice)
              or t.function.name == choice.function.name]
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
               "properties": {"name": {"const": t.function.name},
-                             "arguments": t.function.parameters or {"type": "object"}}}
+                             key: t.function.parameters or {"type": "object"}}}
              for t in tools]
     schema = {"x-guidance": {"whitespace_flexible": False}, "anyOf": calls}
+    body = f"body: %json {json.dumps(schema)}\n"
+    if parser == "llama3_json":
+        more = ' ("; " body)*' if req.parallel_tool_calls is not False else ""
+        return f"start: body{more}\n" + body  # no <|python_tag|>: a special token in Llama 3
     more = ' ("\\n" call)*' if req.parallel_tool_calls is not False else ""
-    return (f'start: call{more}\ncall: "{START}\\n" body "\\n{END}"\n'
-            f"body: %json {json.dumps(schema)}\n")
+    return f'start: call{more}\ncall: "{START}\\n" body "\\n{END}"\n' + body
 
 
 def req_tools(req: Any) -> list[Tool]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,7 @@ from pipeline.frontend.errors import ClientGone, error_for
 from pipeline.frontend.metrics import ServerMetrics
 from pipeline.frontend.run import EngineRun
 from pipeline.output.request_output import RequestOutput
-from pipeline.output.tool_calls import HermesStream
+from pipeline.output.tool_parsers import new_tool_stream
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +31,7 @@ class ResponseShape:
     include_usage: bool  # streams: a final usage chunk, and "usage": null on the others
     num_prompts: int = 1
     tool_names: list[str] | None = None  # parse tool calls of these functions (chat only)
+    tool_parser: str = "hermes"
 
 
 class ResponseWriter:
@@ -43,7 +43,7 @@ class ResponseWriter:
         self.last: list[float | None] = [None] * shape.n_choices
         self.created = int(time.time())
         self.tool_streams = None if shape.tool_names is None else [
-            HermesStream(shape.tool_names, _call_id) for _ in range(shape.n_choices)]
+            new_tool_stream(shape.tool_parser, shape.tool_names) for _ in range(shape.n_choices)]
 
     async def first_deltas(self, deadline: float | None) -> list[tuple[int, RequestOutput]]:
         """The first delta of any choice, plus whatever else is queued: overload errors come at
@@ -91,9 +91,12 @@ class ResponseWriter:
     async def stream(self, first: list[tuple[int, RequestOutput]], deadline: float | None,
                      ) -> AsyncIterator[str]:
         if self.shape.chat:
+            # With tool calls parsed, content stays null until there is some (as non-streamed).
+            role = {"role": "assistant"} if self.tool_streams else {"role": "assistant",
+                                                                     "content": ""}
             for c in self.choices:
                 yield self._sse(resp.chat_chunk(self.shape.rid, self.shape.model, self.created,
-                                                c.index, {"role": "assistant", "content": ""}))
+                                                c.index, dict(role)))
         pending = list(first)
         try:
             while True:
@@ -136,8 +139,8 @@ class ResponseWriter:
         fin = {"finish_reason": c.finish_reason, "stop_reason": self.stop_reason(c),
                "spec_stats": c.spec_stats()} if out.finished else {}
         if s.chat:
-            delta: dict[str, Any] = (
-                {"content": text} if text or not (out.finished or calls) else {})
+            delta: dict[str, Any] = ({"content": text} if text or not (
+                out.finished or self.tool_streams) else {})
             if calls:
                 delta["tool_calls"] = [{"index": k.index, **k.openai()} for k in calls]
             return resp.chat_chunk(s.rid, s.model, self.created, index, delta, lp, **fin)
@@ -185,7 +188,3 @@ class SSEResponse(StreamingResponse):
                 await self.body_iter.aclose()  # type: ignore[attr-defined]
             except Exception as e:  # noqa: BLE001 - cleanup only
                 log.debug("closing the SSE body: %s", e)
-
-
-def _call_id(index: int) -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"

@@ -10,7 +10,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 START, END = "<tool_call>", "</tool_call>"
-PARSERS = ("none", "hermes")
 
 
 @dataclass(frozen=True)
@@ -128,21 +127,26 @@ class HermesStream:
 
     def _parse(self, body: str) -> ToolCall | None:
         try:
-            obj = json.loads(body, parse_constant=_no_constant)
+            obj = json.loads(body, parse_constant=no_constant)
         except (ValueError, RecursionError):
             return None
-        if not isinstance(obj, dict) or set(obj) - {"name", "arguments"}:
-            return None
-        name, args = obj.get("name"), obj.get("arguments", {})
-        if not isinstance(name, str) or not isinstance(args, dict):
-            return None
-        if self.names is not None and name not in self.names:
-            return None
-        index = len(self.calls)
-        return ToolCall(index, self.new_id(index), name, json.dumps(args, ensure_ascii=False))
+        return call_of(obj, "arguments", self.names, len(self.calls), self.new_id)
 
 
-def _no_constant(name: str) -> None:
+def call_of(obj: object, args_key: str, names: frozenset[str] | None, index: int,
+            new_id: Callable[[int], str]) -> ToolCall | None:
+    """A parsed `{"name": ..., args_key: {...}}` as the call at `index`, or None."""
+    if not isinstance(obj, dict) or set(obj) - {"name", args_key}:
+        return None
+    name, args = obj.get("name"), obj.get(args_key, {})
+    if not isinstance(name, str) or not isinstance(args, dict):
+        return None
+    if names is not None and name not in names:
+        return None
+    return ToolCall(index, new_id(index), name, json.dumps(args, ensure_ascii=False))
+
+
+def no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 

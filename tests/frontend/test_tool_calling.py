@@ -78,6 +78,7 @@ def test_parallel_calls_get_indexes_and_content_is_null():
     assert m.content is None
     assert calls_of(m) == [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "é <x>"}')]
     assert calls_of(streamed.choices[0].message) == calls_of(m)
+    assert streamed.choices[0].message.content is None
     ids = [t.id for t in m.tool_calls]
     assert len(set(ids)) == 2
     deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
@@ -193,7 +194,7 @@ def test_special_token_text_in_tool_schemas_is_refused_when_split():
 
 def test_tool_call_parser_is_validated_at_load():
     with pytest.raises(ValueError, match="tool_call_parser"):
-        EngineConfig(model="tiny:1", tool_call_parser="llama3_json")
+        EngineConfig(model="tiny:1", tool_call_parser="pythonic")
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerSettings(tool_call_parser="mistral")
     assert EngineConfig(model="tiny:1", tool_call_parser="hermes").tool_call_parser == "hermes"

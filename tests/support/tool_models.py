@@ -91,10 +91,48 @@ def hermes_output(content: str, calls: list[tuple[str, dict]]) -> str:
 class TemplateTinyTok(ByteTokenizer):
     """The tiny models' tokenizer with the Hermes template (for the in-process tiny engine)."""
 
-    chat_template = HERMES_TEMPLATE
-
-    def __init__(self) -> None:
+    def __init__(self, template: str = HERMES_TEMPLATE) -> None:
         super().__init__()
-        self.chat_template = HERMES_TEMPLATE
+        self.chat_template = template
 
     apply_chat_template = TemplateByteTok.apply_chat_template
+
+
+# Llama 3.1's JSON tool template, shortened: tools in the first user turn, calls as bare JSON,
+# results in an ipython turn.
+LLAMA3_TEMPLATE = """\
+<|start_header_id|>system<|end_header_id|>
+
+Environment: ipython<|eot_id|>
+{%- if tools %}<|start_header_id|>user<|end_header_id|>
+
+Given the following functions, respond with a JSON for a function call with its proper \
+arguments. Respond in the format {"name": function name, "parameters": dictionary of argument \
+name and its value}.
+
+{% for t in tools %}{{ t | tojson }}
+
+{% endfor %}<|eot_id|>
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
+
+{% for tc in m.tool_calls %}{"name": "{{ tc.function.name }}", "parameters": \
+{{ tc.function.arguments | tojson }}}{% endfor %}<|eot_id|>
+{%- elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ m.content }}<|eot_id|>
+{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>
+
+{{ m.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+
+def llama3_output(calls: list[tuple[str, dict]], tag: bool = False) -> str:
+    """What a Llama-3-template model writes for calls: JSON objects joined by "; "."""
+    body = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    return ("<|python_tag|>" if tag else "") + body
