@@ -210,7 +210,9 @@ def parse_chat_request(data: dict[str, Any], tools: bool = False) -> ChatComplet
         if m.name is not None:
             check_prompt_text(m.name, f"messages[{i}].name")
         for j, call in enumerate(m.tool_calls or []):
-            check_prompt_text(call.model_dump_json(), f"messages[{i}].tool_calls[{j}]")
+            for key, text in (("id", call.id), ("function.name", call.function.name),
+                              ("function.arguments", call.function.arguments)):
+                check_prompt_text(text, f"messages[{i}].tool_calls[{j}].{key}")
         if m.tool_call_id is not None:
             check_prompt_text(m.tool_call_id, f"messages[{i}].tool_call_id")
     if req.tools:
