@@ -29,10 +29,10 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
     "properties": {"q": {"type": "string", "maxLength": 8}}}}}
 
 
-def chat_many(requests: list[dict]) -> list:
+def chat_many(requests: list[dict], **overrides) -> list:
     """Each request's completion; one with "stream": True reassembled by the SDK's helper."""
     config = load_config("configs/tiny.yaml", {"attention_backend": "sdpa",
-                                               "max_model_len": 2048})
+                                               "max_model_len": 2048, **overrides})
     core = build_local_engine(config)
     app = create_app(LocalEngineClient(core), TemplateTinyTok(),
                      ServerSettings(tool_call_parser="hermes"))
@@ -92,3 +92,18 @@ def test_required_and_named_streamed_reassemble_to_the_non_streamed_call():
     assert got[:2] == got[2:]
     assert all(d.choices[0].finish_reason == "tool_calls" for d in done)
     assert {name for name, _ in got[1]} == {"search"}
+
+
+def test_greedy_tool_calls_are_the_same_with_and_without_speculation():
+    kw = {"tools": [WEATHER, SEARCH], "temperature": 0.0, "max_tokens": 120}
+    requests = [{**kw, "tool_choice": "required"}, {**kw, "tool_choice": "required",
+                                                    "stream": True},
+                {**kw, "tool_choice": {"type": "function", "function": {"name": "search"}}}]
+    runs = [chat_many(requests, **o) for o in ({"draft": "none"}, {"draft": "model"},
+                                               {"draft": "ngram"})]
+    got = [[(d.choices[0].finish_reason, d.choices[0].message.content,
+             [(t.function.name, t.function.arguments) for t in d.choices[0].message.tool_calls
+              or []]) for d in run] for run in runs]
+    assert got[0] == got[1] == got[2]
+    assert [r[0] for r in got[0]] == ["tool_calls"] * 3, got[0]
+    assert runs[1][0].choices[0].model_extra["spec_stats"]["accepted_tokens"] > 0
