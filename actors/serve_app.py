@@ -133,7 +133,7 @@ def replica_config(config_path: str | None, overrides: dict[str, Any],
     """What a replica builds from build_app's bound arguments, before it starts anything (the
     chart contract test calls this on every rendered serveConfigV2)."""
     config = load_config(resolve_config_path(config_path), overrides)
-    return config, ServerSettings(**settings)
+    return config, ServerSettings(**{"tool_call_parser": config.tool_call_parser, **settings})
 
 
 def deployment_section(args: dict[str, Any], config: EngineConfig,

@@ -83,6 +83,7 @@ class EngineConfig:
     suffix_share_across_tenants: bool = False
     suffix_max_tenants: int = 64
     torch_threads: int | None = None
+    tool_call_parser: str = "none"
     gc_gen0_threshold: int | None = DEFAULT_GEN0_THRESHOLD
     tracing: dict[str, Any] = field(default_factory=dict)
     placement: dict[str, Any] = field(default_factory=dict)
@@ -136,6 +137,7 @@ class EngineConfig:
         check.choice("dtype", self.dtype, DTYPES)
         check.choice("weights", self.weights, WEIGHTS)
         check.choice("step_transport", self.step_transport, STEP_TRANSPORTS)
+        _check_tool_call_parser(self.tool_call_parser)
         if self.quantization is not None:
             check.choice("quantization", self.quantization, QUANTIZATIONS)
             if self.device != "cpu":
@@ -266,3 +268,9 @@ def _check_tracing(tracing: dict[str, Any]) -> None:
         resolve_config("specrelay", tracing, environ={})
     except (ValueError, TypeError) as e:
         raise ValueError(f"tracing: {e}") from None
+
+
+def _check_tool_call_parser(name: str) -> None:
+    from pipeline.output.tool_parsers import PARSERS  # lazy: the output package loads llguidance
+
+    check.choice("tool_call_parser", name, PARSERS)

@@ -34,7 +34,9 @@ from pipeline.frontend.settings import API_KEY_ENV, ServerSettings
 from pipeline.frontend.structured import request_grammar, wants_grammar
 from pipeline.frontend.tenant import bearer_token, tenant_id
 from pipeline.frontend.tokenizer import TokenizerAdapter
+from pipeline.frontend.tools import parses_tool_calls, supports_tools, template_tools, tool_names
 from pipeline.frontend.writer import ResponseShape, ResponseWriter, SSEResponse
+from pipeline.output.tool_parsers import MARKERS
 from pipeline.params import SamplingParams
 from pipeline.tracing.otel import context_from_traceparent, get_tracer
 
@@ -80,6 +82,10 @@ class Server:
         self.inflight = InflightCount()
         self.draining = False
         self.health_reasons = HealthReasons()
+        self.tools_on = settings.tool_call_parser != "none"
+        if self.tools_on and not supports_tools(tokenizer):
+            log.warning("tool_call_parser is %s but the chat template has no tools: requests "
+                        "with tools get a 400", settings.tool_call_parser)
 
     async def drain(self, timeout: float) -> int:
         """Refuse new generation requests and fail /health; returns how many are still in flight
@@ -117,11 +123,19 @@ class Server:
         return await self._generate(request, req, prompts, info)
 
     async def chat(self, request: Request) -> Response:
-        req = reqs.parse_chat_request(await read_json(request, self.settings))
+        req = reqs.parse_chat_request(await read_json(request, self.settings), self.tools_on)
         info = await self.info()
         self.check_model(info, req.model)
+        if req.tools and not supports_tools(self.tok.tok):
+            raise APIError(400, "tools: this model's chat template does not support tools, so "
+                           "they cannot be shown to the model", param="tools",
+                           code="unsupported_parameter")
+        parser = self.settings.tool_call_parser
+        if parses_tool_calls(req) and set(MARKERS[parser]) & set(self.tok.special_texts()):
+            req.skip_special_tokens = False  # as vLLM: the parser must see special markers
         ids = self.tok.chat_prompt(reqs.chat_messages_as_dicts(req), req.add_generation_prompt,
-                                   split_special_tokens=self.split_special(req))
+                                   split_special_tokens=self.split_special(req),
+                                   tools=template_tools(req))
         return await self._generate(request, req, [ids], info)
 
     def split_special(self, req: AnyRequest) -> bool:
@@ -153,8 +167,9 @@ class Server:
                            type="server_error", code="server_shutting_down")
         chat = isinstance(req, reqs.ChatCompletionRequest)
         grammar = None
-        if wants_grammar(req):  # compiled (and refused with a 400) before a slot is taken
-            grammar = await asyncio.to_thread(request_grammar, req, self.tok.tok)
+        tool_parser = self.settings.tool_call_parser
+        if wants_grammar(req, tool_parser):  # compiled (and refused with a 400) before a slot
+            grammar = await asyncio.to_thread(request_grammar, req, self.tok.tok, tool_parser)
         jobs = self._jobs(req, prompts, info, grammar)  # all validated before any starts
         for ids in prompts:
             self.metrics.observe_prompt(len(ids))
@@ -166,6 +181,8 @@ class Server:
             n_choices=len(jobs), prompt_tokens=sum(len(p) for p in prompts),
             num_prompts=len(prompts),
             want_logprobs=jobs[0].params.logprobs is not None,
+            tool_names=tool_names(req) if chat and parses_tool_calls(req) else None,
+            tool_parser=self.settings.tool_call_parser,
             include_usage=bool(req.stream and req.stream_options
                                and req.stream_options.include_usage))
         tenant = tenant_id(bearer_token(request.scope.get("headers") or []), req.user)

@@ -11,6 +11,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.frontend.errors import bad_request, from_params_error, from_validation_error
+from pipeline.frontend.tools import (
+    MessageToolCall,
+    Tool,
+    ToolChoice,
+    check_tools,
+    template_tool_calls,
+)
 from pipeline.params import (
     MAX_LOGPROBS,
     MAX_NEW_TOKENS_LIMIT,
@@ -89,9 +96,11 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -100,6 +109,9 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = _documented(None, minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -129,16 +141,23 @@ def _depth(obj: Any, level: int = 0) -> int:
 # Unimplemented parameters: anything but null is a 400, since a client that asks for tool calls
 # must not silently get free text. Other unknown keys do not change the output and are ignored.
 _STRUCTURED = ("guided_grammar", "structured_outputs")
-UNSUPPORTED_COMPLETION = (*_STRUCTURED, "tools", "tool_choice")
-UNSUPPORTED_CHAT = (*_STRUCTURED, "tools", "tool_choice", "functions", "function_call",
-                    "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity")
-UNSUPPORTED_MESSAGE = ("tool_calls", "function_call", "tool_call_id", "audio", "refusal")
+TOOLS = ("tools", "tool_choice")
+TOOL_MESSAGE = ("tool_calls", "tool_call_id")
+UNSUPPORTED_COMPLETION = (*_STRUCTURED, *TOOLS)
+UNSUPPORTED_CHAT = (*_STRUCTURED, "functions", "function_call", "audio", "prediction",
+                    "reasoning_effort", "web_search_options", "verbosity")
+UNSUPPORTED_MESSAGE = ("function_call", "audio", "refusal")
+_HINTS = {"functions": "; use tools", "function_call": "; use tool_choice",
+          "tools": " (tool_call_parser is none)", "tool_choice": " (tool_call_parser is none)",
+          "tool_calls": " (tool_call_parser is none)", "tool_call_id": " (tool_call_parser is none)"}
 
 
-def reject_unsupported(data: dict[str, Any], names: tuple[str, ...]) -> None:
+def reject_unsupported(data: dict[str, Any], names: tuple[str, ...],
+                       hints: dict[str, str] | None = None) -> None:
     for name in names:
         if data.get(name) is not None:
-            raise bad_request(f"{name}: is not supported by this server", param=name,
+            hint = (hints or {}).get(name, "")
+            raise bad_request(f"{name}: is not supported by this server{hint}", param=name,
                               code="unsupported_parameter")
     modalities = data.get("modalities")
     if modalities is not None and modalities != ["text"]:
@@ -146,17 +165,22 @@ def reject_unsupported(data: dict[str, Any], names: tuple[str, ...]) -> None:
                           code="unsupported_parameter")
 
 
-def _reject_unsupported_in_messages(messages: Any) -> None:
+def _reject_unsupported_in_messages(messages: Any, tools: bool) -> None:
     if not isinstance(messages, list):
         return  # validation names it
+    names = UNSUPPORTED_MESSAGE if tools else (*TOOL_MESSAGE, *UNSUPPORTED_MESSAGE)
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             continue
-        for name in UNSUPPORTED_MESSAGE:
+        if not tools and m.get("role") == "tool":
+            raise bad_request(f"messages[{i}].role: tool messages are not supported by this "
+                              "server (tool_call_parser is none)", param=f"messages[{i}].role",
+                              code="unsupported_parameter")
+        for name in names:
             if m.get(name) is not None:
                 param = f"messages[{i}].{name}"
-                raise bad_request(f"{param}: is not supported by this server", param=param,
-                                  code="unsupported_parameter")
+                raise bad_request(f"{param}: is not supported by this server{_HINTS.get(name, '')}",
+                                  param=param, code="unsupported_parameter")
 
 
 def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
@@ -173,9 +197,10 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     return req
 
 
-def parse_chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
-    reject_unsupported(data, UNSUPPORTED_CHAT)
-    _reject_unsupported_in_messages(data.get("messages"))
+def parse_chat_request(data: dict[str, Any], tools: bool = False) -> ChatCompletionRequest:
+    """`tools`: tool calling is on (a `tool_call_parser`); off, its parameters are refused."""
+    reject_unsupported(data, UNSUPPORTED_CHAT if tools else (*UNSUPPORTED_CHAT, *TOOLS), _HINTS)
+    _reject_unsupported_in_messages(data.get("messages"), tools)
     req = _validate(ChatCompletionRequest, data)
     if not req.messages:
         raise bad_request("messages: must contain at least one message", param="messages")
@@ -184,6 +209,16 @@ def parse_chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
             check_prompt_text(text, f"messages[{i}].content")
         if m.name is not None:
             check_prompt_text(m.name, f"messages[{i}].name")
+        for j, call in enumerate(m.tool_calls or []):
+            for key, text in (("id", call.id), ("function.name", call.function.name),
+                              ("function.arguments", call.function.arguments)):
+                check_prompt_text(text, f"messages[{i}].tool_calls[{j}].{key}")
+        if m.tool_call_id is not None:
+            check_prompt_text(m.tool_call_id, f"messages[{i}].tool_call_id")
+    if req.tools:
+        check_prompt_text(json.dumps([t.model_dump() for t in req.tools], ensure_ascii=False),
+                          "tools")
+    check_tools(req)
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(
@@ -247,13 +282,17 @@ def _message_texts(m: ChatMessage) -> list[str]:
     return [p.text for p in m.content]
 
 
-def chat_messages_as_dicts(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_messages_as_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     out = []
     for m in req.messages:
-        d = {"role": "system" if m.role == "developer" else m.role,
-             "content": "".join(_message_texts(m))}
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                             "content": "".join(_message_texts(m))}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = template_tool_calls(m.tool_calls)
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 

@@ -7,10 +7,11 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.output.request_output import Completion
+from pipeline.output.tool_calls import ToolCall
 
 TokenStr = Callable[[int], str]
 
@@ -18,6 +19,23 @@ TokenStr = Callable[[int], str]
 @dataclass
 class ChoiceState(Completion):
     index: int = 0
+    parsed: bool = False  # tool calls parsed out of `text`: `content` and `tool_calls` hold it
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = Completion.finish_reason.fget(self)  # type: ignore[attr-defined]
+        return "tool_calls" if self.tool_calls and reason == "stop" else reason
+
+    def message(self) -> dict[str, Any]:
+        if not self.parsed:
+            return {"role": "assistant", "content": self.text}
+        out: dict[str, Any] = {"role": "assistant",
+                               "content": self.content or (None if self.tool_calls else "")}
+        if self.tool_calls:
+            out["tool_calls"] = [c.openai() for c in self.tool_calls]
+        return out
 
 
 def stop_reason(c: Completion) -> Any:
@@ -101,7 +119,7 @@ def chat_response(rid: str, model: str, choices: list[ChoiceState], prompt_token
                   cached: int | None = None) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        "choices": [{"index": c.index, "message": c.message(),
                      "logprobs": logprobs_for(c), "finish_reason": c.finish_reason,
                      "stop_reason": stop_reason_for(c), "spec_stats": c.spec_stats()}
                     for c in choices],

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pipeline.output.tool_parsers import PARSERS
+
 API_KEY_ENV = "SPECRELAY_API_KEY"
 
 
@@ -21,6 +23,13 @@ class ServerSettings:
     max_choices_per_request: int = 64
     # True: a client's special-token text is tokenized as text, so it cannot forge chat turns.
     split_special_tokens: bool = True
+    # "hermes", "llama3_json": `tools` accepted and calls parsed (docs/tool-calling.md).
+    tool_call_parser: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {', '.join(PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
 
     def resolved_api_key(self) -> str | None:
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)

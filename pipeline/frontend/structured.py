@@ -6,18 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.frontend.errors import bad_request
+from pipeline.frontend.tools import tool_grammar
 from pipeline.grammar.llg import compile_grammar
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice")
 
 
-def wants_grammar(req: Any) -> bool:
+def wants_grammar(req: Any, tool_parser: str = "hermes") -> bool:
     fmt = req.response_format
     return any(getattr(req, name) is not None for name in GUIDED) or (
-        fmt is not None and fmt.get("type") != "text")
+        fmt is not None and fmt.get("type") != "text") or tool_grammar(req, tool_parser) is not None
 
 
-def grammar_source(req: Any) -> tuple[str, Any, str] | None:
+def grammar_source(req: Any, tool_parser: str = "hermes") -> tuple[str, Any, str] | None:
     """(grammar kind, source, parameter), or None for free text."""
     found: list[tuple[str, Any, str]] = []
     if req.response_format is not None:
@@ -30,6 +31,9 @@ def grammar_source(req: Any) -> tuple[str, Any, str] | None:
         found.append(("regex", req.guided_regex, "guided_regex"))
     if req.guided_choice is not None:
         found.append(("choice", req.guided_choice, "guided_choice"))
+    tools = tool_grammar(req, tool_parser)
+    if tools is not None:
+        found.append(("lark", tools, "tool_choice"))
     if len(found) > 1:
         names = ", ".join(param.split(".")[0] for _, _, param in found)
         raise bad_request(f"{names}: set at most one structured output parameter",
@@ -57,8 +61,8 @@ def _response_format(fmt: dict[str, Any]) -> tuple[str, Any, str] | None:
                       f"got {kind!r}"[:200], param="response_format.type")
 
 
-def request_grammar(req: Any, tokenizer: Any) -> Any:
-    source = grammar_source(req)
+def request_grammar(req: Any, tokenizer: Any, tool_parser: str = "hermes") -> Any:
+    source = grammar_source(req, tool_parser)
     if source is None:
         return None
     kind, text, param = source

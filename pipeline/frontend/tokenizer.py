@@ -5,6 +5,7 @@ only the template's own text is tokenized with special tokens."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -53,9 +54,12 @@ class TokenizerAdapter:
             self._strs[token_id] = s
         return s
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                    split_special_tokens: bool = True) -> list[int]:
-        text = self._render(messages, add_generation_prompt)
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    split_special_tokens: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        if split_special_tokens:
+            self._check_tool_texts(messages, tools)
+        text = self._render(messages, add_generation_prompt, tools)
         if not split_special_tokens or not any(
                 isinstance(m.get(k), str) and self.holds_special_text(m[k])
                 for m in messages for k in _CLIENT_KEYS):
@@ -69,7 +73,7 @@ class TokenizerAdapter:
                     values.append(m[key])
                     m[key] = _MARK.format(len(values) - 1)
             marked.append(m)
-        parts = _MARKS.split(self._render(marked, add_generation_prompt))
+        parts = _MARKS.split(self._render(marked, add_generation_prompt, tools))
         indices = [int(p) for p in parts[1::2]]
         if (sorted(indices) != list(range(len(values)))
                 or "".join(values[int(p)] if i % 2 else p for i, p in enumerate(parts)) != text):
@@ -86,9 +90,21 @@ class TokenizerAdapter:
                 ids += self.encode(part, add_special_tokens=False)
         return ids
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _check_tool_texts(self, messages: list[dict[str, Any]],
+                          tools: list[dict[str, Any]] | None) -> None:
+        # Tool schemas and call arguments are rendered as JSON, with no marker to split them by.
+        found = [("tools", tools)] + [(f"messages[{i}].tool_calls", m.get("tool_calls"))
+                                      for i, m in enumerate(messages)]
+        for param, value in found:
+            if value and self.holds_special_text(json.dumps(value, ensure_ascii=False)):
+                raise bad_request(f"{param}: holds special-token text; remove it or set "
+                                  "split_special_tokens to false", param=param)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
         if getattr(self.tok, "chat_template", None):
+            kwargs: dict[str, Any] = {"tools": tools} if tools else {}
             return self.tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant:" if add_generation_prompt else "")

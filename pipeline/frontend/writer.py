@@ -15,6 +15,7 @@ from pipeline.frontend.errors import ClientGone, error_for
 from pipeline.frontend.metrics import ServerMetrics
 from pipeline.frontend.run import EngineRun
 from pipeline.output.request_output import RequestOutput
+from pipeline.output.tool_parsers import new_tool_stream
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ class ResponseShape:
     want_logprobs: bool
     include_usage: bool  # streams: a final usage chunk, and "usage": null on the others
     num_prompts: int = 1
+    tool_names: list[str] | None = None  # parse tool calls of these functions (chat only)
+    tool_parser: str = "hermes"
 
 
 class ResponseWriter:
@@ -39,6 +42,8 @@ class ResponseWriter:
         self.t0 = t0
         self.last: list[float | None] = [None] * shape.n_choices
         self.created = int(time.time())
+        self.tool_streams = None if shape.tool_names is None else [
+            new_tool_stream(shape.tool_parser, shape.tool_names) for _ in range(shape.n_choices)]
 
     async def first_deltas(self, deadline: float | None) -> list[tuple[int, RequestOutput]]:
         """The first delta of any choice, plus whatever else is queued: overload errors come at
@@ -76,6 +81,8 @@ class ResponseWriter:
     async def collect(self, deadline: float | None) -> dict[str, Any]:
         while not self.run.done:
             self._record(*await self.run.next(deadline))
+        for c in self.choices if self.tool_streams is not None else ():
+            self._parse(c, c.text, True)
         build = resp.chat_response if self.shape.chat else resp.completion_response
         return build(self.shape.rid, self.shape.model, self.choices, self.shape.prompt_tokens,
                      lambda c: self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0),
@@ -84,9 +91,12 @@ class ResponseWriter:
     async def stream(self, first: list[tuple[int, RequestOutput]], deadline: float | None,
                      ) -> AsyncIterator[str]:
         if self.shape.chat:
+            # With tool calls parsed, content stays null until there is some (as non-streamed).
+            role = {"role": "assistant"} if self.tool_streams else {"role": "assistant",
+                                                                     "content": ""}
             for c in self.choices:
                 yield self._sse(resp.chat_chunk(self.shape.rid, self.shape.model, self.created,
-                                                c.index, {"role": "assistant", "content": ""}))
+                                                c.index, dict(role)))
         pending = list(first)
         try:
             while True:
@@ -118,17 +128,34 @@ class ResponseWriter:
         c, s = self.choices[index], self.shape
         offset = len(c.text)
         self._record(index, out)
-        if not out.text and not out.token_ids and not out.finished:
+        text, calls = out.text, []
+        if self.tool_streams is not None:
+            text, calls = self._parse(c, out.text, out.finished)
+        if not text and not calls and not out.token_ids and not out.finished:
             return None
-        if not out.text and not out.finished and not s.want_logprobs:
+        if not text and not calls and not out.finished and not s.want_logprobs:
             return None  # tokens whose text is held back: nothing to show yet
         lp = self._logprobs(out.token_ids, out.logprobs, out.top_logprobs, offset)
         fin = {"finish_reason": c.finish_reason, "stop_reason": self.stop_reason(c),
                "spec_stats": c.spec_stats()} if out.finished else {}
         if s.chat:
-            delta = {"content": out.text} if out.text or not out.finished else {}
+            delta: dict[str, Any] = ({"content": text} if text or not (
+                out.finished or self.tool_streams) else {})
+            if calls:
+                delta["tool_calls"] = [{"index": k.index, **k.openai()} for k in calls]
             return resp.chat_chunk(s.rid, s.model, self.created, index, delta, lp, **fin)
         return resp.completion_chunk(s.rid, s.model, self.created, index, out.text, lp, **fin)
+
+    def _parse(self, c: resp.ChoiceState, text: str, finished: bool) -> tuple[str, list]:
+        """A text delta through the choice's tool-call parser: (content, new calls)."""
+        stream = self.tool_streams[c.index]  # type: ignore[index]
+        d = stream.feed(text)
+        if finished:
+            d.add(stream.finish())
+        c.parsed = True
+        c.content += d.content
+        c.tool_calls += d.calls
+        return d.content, d.calls
 
     def _sse(self, chunk: dict[str, Any]) -> str:
         if self.shape.include_usage:
