@@ -4,6 +4,7 @@ by self-distillation from the target's own greedy generations (docs/eagle3.md, "
     python scripts/train_eagle3.py data  --work W   # generate, capture aux states
     python scripts/train_eagle3.py train --work W --out heads/smollm2-eagle3
                                                     # train (resumes from W/ckpt.pt), export
+    python scripts/train_eagle3.py export --work W --out DIR   # a stopped run's checkpoint
     python scripts/train_eagle3.py eval --work W --head heads/smollm2-eagle3
                                                     # acceptance on held-out prompts vs n-gram
 
@@ -30,7 +31,7 @@ from scripts.eagle3_train import data as D
 from scripts.eagle3_train.evaluate import eagle_acceptance, ngram_acceptance
 from scripts.eagle3_train.export import export_head
 from scripts.eagle3_train.prompts import split_prompts
-from scripts.eagle3_train.train import TrainConfig, train
+from scripts.eagle3_train.train import TrainConfig, load_checkpoint, train
 
 UNSEEN = os.path.join("scripts", "workloads", "chat.jsonl")
 
@@ -92,6 +93,13 @@ def cmd_train(a: argparse.Namespace) -> None:
     if a.out:
         size = export_head(head, a.out)
         print(f"head -> {a.out} ({size / 1e6:.1f} MB)")
+
+
+def cmd_export(a: argparse.Namespace) -> None:
+    _, meta = D.load_records(os.path.join(a.work, "eval.pt"))
+    target = load_target(meta["model"], 1).model
+    head = load_checkpoint(target, meta["aux_layer_ids"], os.path.join(a.work, "ckpt.pt"))
+    print(f"head -> {a.out} ({export_head(head, a.out) / 1e6:.1f} MB)")
 
 
 def cmd_eval(a: argparse.Namespace) -> None:
@@ -156,16 +164,19 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--max-minutes", type=float, default=1e9,
                    help="stop and checkpoint after this long (a rerun resumes)")
     t.add_argument("--out", help="export the head here (EAGLE layout, bf16) when done")
+    x = sub.add_parser("export", help="export the head in W/ckpt.pt (a run stopped early)")
+    x.add_argument("--work", required=True)
+    x.add_argument("--out", required=True)
     e = sub.add_parser("eval")
     e.add_argument("--work", required=True)
     e.add_argument("--head", required=True, help="an exported head folder")
     e.add_argument("--sets", nargs="+", default=["eval", "unseen"])
     e.add_argument("-k", type=int, default=5)
-    for s in (d, t, e):
+    for s in (d, t, x, e):
         s.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    {"data": cmd_data, "train": cmd_train, "eval": cmd_eval}[a.cmd](a)
+    {"data": cmd_data, "train": cmd_train, "export": cmd_export, "eval": cmd_eval}[a.cmd](a)
 
 
 if __name__ == "__main__":

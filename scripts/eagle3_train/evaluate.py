@@ -42,6 +42,7 @@ def replay(records: list[Record], k: int,
     while active:
         drafts = propose(active, [n[i] for i in active], [prev[i] for i in active])
         for i, d in zip(active, drafts):
+            left = len(records[i].tokens) - n[i] - 1   # tokens after the newest
             truth = records[i].tokens[n[i] + 1:n[i] + 1 + k].tolist()
             a = 0
             while a < len(truth) and a < len(d) and d[a] == truth[a]:
@@ -49,8 +50,9 @@ def replay(records: list[Record], k: int,
             chances[:len(truth)] += 1
             kept[:a] += 1
             steps += 1
-            tokens += min(a + 1, len(truth))
-            prev[i], n[i] = n[i], n[i] + min(a + 1, len(truth))
+            made = min(a + 1, left)                     # the kept drafts + the target's own
+            tokens += made
+            prev[i], n[i] = n[i], n[i] + made
         active = [i for i in active if n[i] + 1 < len(records[i].tokens)]
     return Acceptance(k, steps, tokens, [round(float(x), 3) for x in kept / np.maximum(chances, 1)])
 

@@ -72,6 +72,14 @@ def build_head(target: torch.nn.Module, layer_ids: list[int], draft_ids: torch.T
                     target.norm.weight)
 
 
+def load_checkpoint(target: torch.nn.Module, layer_ids: list[int], ckpt: str) -> Eagle3Head:
+    """The head a checkpoint holds, e.g. to export a run stopped early."""
+    blob = torch.load(ckpt, weights_only=True)
+    head = build_head(target, layer_ids, blob["draft_ids"])
+    head.load_state_dict({**blob["head"], "embed.weight": head.embed.weight})
+    return head.eval()
+
+
 def train(target: torch.nn.Module, layer_ids: list[int], records: list[Record], ckpt: str,
           cfg: TrainConfig, bar: Callable[[int, int], Callable[[int, str], None]] | None = None
           ) -> tuple[Eagle3Head, dict[str, Any]]:

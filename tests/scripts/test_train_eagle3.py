@@ -16,7 +16,7 @@ sys.path.insert(0, ROOT)
 from pipeline.draft.eagle3 import load_eagle3_head
 from scripts import train_eagle3
 from scripts.eagle3_train import data as D
-from scripts.eagle3_train.evaluate import eagle_acceptance, ngram_acceptance
+from scripts.eagle3_train.evaluate import eagle_acceptance, ngram_acceptance, replay
 from scripts.eagle3_train.train import TrainConfig, build_head, train
 from scripts.eagle3_train.unroll import pick_draft_vocab, unrolled_hidden
 
@@ -102,6 +102,17 @@ def test_the_cli_trains_exports_a_head_the_loader_reads_and_evaluates(tmp_path, 
             produced = sum(len(r.tokens) - r.prompt_len - 1 for r in records)
             assert acc.tokens == produced  # the replay walks every generated token once
             assert len(acc.by_position) == k and 1.0 <= acc.length <= k + 1
+
+
+def test_the_replay_counts_kept_drafts_plus_the_targets_own_token():
+    r = D.Record(torch.arange(10, 20), 2, torch.zeros(9, 1))  # 8 tokens after the prompt's
+    perfect = replay([r], 3, lambda active, ns, _: [r.tokens[n + 1:n + 4].tolist() for n in ns])
+    # from newest index 2: keep 3 + 1 -> 6, keep 3 + 1 -> 10 (the end): 7 tokens in 2 steps
+    assert (perfect.steps, perfect.tokens, perfect.by_position) == (2, 7, [1.0, 1.0, 1.0])
+    wrong = replay([r], 1, lambda active, ns, _: [[0] for _ in ns])
+    assert (wrong.steps, wrong.tokens, wrong.length, wrong.by_position) == (7, 7, 1.0, [0.0])
+    second = replay([r], 2, lambda active, ns, _: [[r.tokens[n + 1].item(), 0] for n in ns])
+    assert (second.steps, second.tokens, second.by_position) == (4, 7, [1.0, 0.0])
 
 
 def test_the_shipped_head_fits_and_names_smollm2s_dims():
