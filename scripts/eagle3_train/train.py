@@ -26,7 +26,7 @@ from scripts.eagle3_train.unroll import (
 
 @dataclass
 class TrainConfig:
-    epochs: int = 4
+    epochs: int = 10
     batch: int = 8
     ttt_steps: int = 3          # the training-time-test unroll (1: no chained drafts trained)
     lr: float = 1e-3
