@@ -2,10 +2,10 @@
 by self-distillation from the target's own greedy generations (docs/eagle3.md, "Training").
 
     python scripts/train_eagle3.py data  --work W   # generate, capture aux states
-    python scripts/train_eagle3.py train --work W --out heads/smollm2-eagle3
+    python scripts/train_eagle3.py train --work W --out HEAD_DIR
                                                     # train (resumes from W/ckpt.pt), export
     python scripts/train_eagle3.py export --work W --out DIR   # a stopped run's checkpoint
-    python scripts/train_eagle3.py eval --work W --head heads/smollm2-eagle3
+    python scripts/train_eagle3.py eval --work W --head HEAD_DIR
                                                     # acceptance on held-out prompts vs n-gram
 
 Nothing is downloaded: the prompts are written in scripts/eagle3_train/prompts.py."""

@@ -1,5 +1,5 @@
 """scripts/train_eagle3.py: data capture, the training-time-test forward against the drafter's
-own chaining, a tiny-model run that resumes to the same weights, and the shipped head."""
+own chaining, and a tiny-model run that resumes to the same weights."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from scripts.eagle3_train.evaluate import eagle_acceptance, ngram_acceptance, re
 from scripts.eagle3_train.train import TrainConfig, build_head, train
 from scripts.eagle3_train.unroll import pick_draft_vocab, unrolled_hidden
 
-SHIPPED = os.path.join(ROOT, "heads", "smollm2-eagle3")
 LAYERS = [2, 4, 5]  # the tiny 8-layer target's default aux layers
 
 
@@ -113,19 +112,3 @@ def test_the_replay_counts_kept_drafts_plus_the_targets_own_token():
     assert (wrong.steps, wrong.tokens, wrong.length, wrong.by_position) == (7, 7, 1.0, [0.0])
     second = replay([r], 2, lambda active, ns, _: [[r.tokens[n + 1].item(), 0] for n in ns])
     assert (second.steps, second.tokens, second.by_position) == (4, 7, [1.0, 0.0])
-
-
-def test_the_shipped_head_fits_and_names_smollm2s_dims():
-    with open(os.path.join(SHIPPED, "config.json")) as f:
-        c = json.load(f)
-    assert (c["hidden_size"], c["target_hidden_size"], c["vocab_size"]) == (576, 576, 49152)
-    assert c["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # [2, L//2, L-3], L = 30
-    assert os.path.getsize(os.path.join(SHIPPED, "model.safetensors")) <= 20_000_000
-
-
-@pytest.mark.slow
-def test_the_shipped_head_loads_against_smollm2():
-    target = train_eagle3.load_target("smollm2", 1)
-    head = load_eagle3_head(SHIPPED, target.config, target.model.embed.weight.detach())
-    assert head.aux_layer_ids == [2, 15, 27]
-    assert bool(head.t2d[target.config.eos_token_ids].all())  # EOS can be drafted
