@@ -15,9 +15,9 @@ from pipeline.models.kv_cache import DEFAULT_BLOCK_SIZE, CacheFullError, KVCache
 from pipeline.models.llama import CpuLinear, use_column_major_weights
 from pipeline.models.quant import Int4Linear, pack_quantized
 
-INVARIANT_SETTINGS = ("auto", "on", "off")
-
 __all__ = ["CacheFullError", "ModelRunner"]
+
+INVARIANT_SETTINGS = ("auto", "on", "off")
 
 
 class ModelRunner:
