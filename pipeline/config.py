@@ -22,6 +22,7 @@ DRAFT_KINDS = ("ngram", "suffix", "model", "eagle3", "none")
 BACKENDS = ("auto", "sdpa", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHTS = ("quantized", "float")
+ATTENTION_INVARIANT = ("auto", "on", "off")
 QUANTIZATIONS = ("int4",)
 STEP_TRANSPORTS = ("calls", "compiled")
 
@@ -56,6 +57,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = 64
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    attention_invariant: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
     # Not "quantized" by default: the int4 kernel rounds its input to bfloat16, so greedy
@@ -134,6 +136,7 @@ class EngineConfig:
             check.integer("gc_gen0_threshold", self.gc_gen0_threshold, 100)
         check.choice("draft", self.draft, DRAFT_KINDS)
         check.choice("attention_backend", self.attention_backend, BACKENDS)
+        check.choice("attention_invariant", self.attention_invariant, ATTENTION_INVARIANT)
         check.choice("dtype", self.dtype, DTYPES)
         check.choice("weights", self.weights, WEIGHTS)
         check.choice("step_transport", self.step_transport, STEP_TRANSPORTS)
@@ -143,6 +146,9 @@ class EngineConfig:
             if self.device != "cpu":
                 raise ValueError(f"quantization: int4 runs on the CPU only, device is "
                                  f"{self.device!r}")
+        if self.attention_invariant == "on" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("attention_invariant: on runs on the CPU in float32 only, device is "
+                             f"{self.device!r}, dtype {self.dtype!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model: must be a non-empty model source")
         if self.draft == "model" and not self.draft_model:

@@ -3,6 +3,15 @@ of vllm-flash-attn 2.6.2 ("flash", CUDA, reads the paged cache through `block_ta
 
 A forward's tokens are flat: run i holds `q_lens[i]` new tokens at positions `starts[i]` on, its
 KV in the blocks `tables[i]` (token p at row p % block_size of block tables[i][p // block_size]).
+
+The batch-invariant SDPA path (`invariant_group`, CPU float32): a query's output is the same bits
+whatever else the forward holds (decode, verify window, prefill chunk, other requests). Today's
+path is not: the CPU flash kernel's matmuls sum in another order for 1-3 rows than for more, and
+its sums over a row's keys depend on the key count. So every call keeps each shape a row sees
+in a class the kernels sum alike (found by probing torch 2.13 + MKL, held by
+tests/models/test_attention_invariant.py): at least 4 query rows in each of the kernel's
+query blocks, and keys padded (masked) to a multiple of 16 whose last 512-key block is not
+193-383 long (MKL splits such a block's sum in halves; others in fixed 192-key steps).
 """
 
 from __future__ import annotations
@@ -21,6 +30,11 @@ FLASH_PAGE_MULTIPLE = 16  # vllm-flash-attn paged KV wants block sizes divisible
 # would grow by the GQA group.
 FOLD_MAX_T = 16
 SPLIT_MIN_ROWS = 8
+# The CPU flash kernel (torch 2.13): query blocks of 32/64/256 rows (from 192/768 rows on), key
+# blocks of KV_SPLIT; MKL's float32 matmul sums alike for every row count from INVARIANT_MIN_ROWS.
+KV_SPLIT = 512
+INVARIANT_MIN_ROWS = 4
+INVARIANT_KEY_MULTIPLE = 16  # the kernel's exp-sum runs in 16-float vectors and a scalar tail
 SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
@@ -70,12 +84,32 @@ class AttnMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     groups: list[tuple[torch.Tensor, AttnMetadata]] | None = None
+    invariant: bool = False  # the batch-invariant path: always folded and masked, one thread
+
+
+def invariant_keys(n: int) -> int:
+    """The key count a batch-invariant call pads `n` keys to (the rest masked)."""
+    keys = -(-n // INVARIANT_KEY_MULTIPLE) * INVARIANT_KEY_MULTIPLE
+    tail = keys % KV_SPLIT
+    return keys + 384 - tail if 192 < tail < 384 else keys
+
+
+def invariant_rows(t: int, group: int) -> int:
+    """Tokens a run is padded to so that each of the kernel's query blocks over its t * group
+    folded rows holds at least INVARIANT_MIN_ROWS."""
+    while True:
+        rows = t * group
+        split = 256 if rows >= 768 else 64 if rows >= 192 else 32
+        if rows >= INVARIANT_MIN_ROWS and not 0 < rows % split < INVARIANT_MIN_ROWS:
+            return t
+        t += 1
 
 
 def build_metadata(backend: str, tables: list[list[int]], starts: list[int],
-                   q_lens: list[int], block_size: int, device: torch.device | str
-                   ) -> AttnMetadata:
-    """Once per forward, not per layer. `starts[i]` is run i's key count before this forward."""
+                   q_lens: list[int], block_size: int, device: torch.device | str,
+                   invariant_group: int | None = None) -> AttnMetadata:
+    """Once per forward, not per layer. `starts[i]` is run i's key count before this forward.
+    `invariant_group` (query heads per KV head): the batch-invariant SDPA path."""
     b = len(tables)
     t = max(q_lens)
     k_lens = [s + q for s, q in zip(starts, q_lens)]
@@ -85,9 +119,14 @@ def build_metadata(backend: str, tables: list[list[int]], starts: list[int],
         if len(table) < n:
             raise ValueError(f"attention: a block table of {len(table)} blocks cannot hold "
                              f"{k_len} keys (block size {block_size})")
+    invariant = invariant_group is not None and backend == "sdpa"
+    if invariant:
+        t = invariant_rows(t, invariant_group)
+        lk = invariant_keys(lk)
     uniform = all(q == t for q in q_lens)
     # Index math in numpy: a dozen tiny torch ops cost more on CPU than a small batch's forward.
-    width = max(used)
+    # The invariant path's padded keys read block 0 (masked).
+    width = -(-lk // block_size) if invariant else max(used)
     table_np = np.zeros((b, width), dtype=np.int64)
     flat = np.fromiter(itertools.chain.from_iterable(tb[:n] for tb, n in zip(tables, used)),
                        dtype=np.int64, count=sum(used))
@@ -111,7 +150,7 @@ def build_metadata(backend: str, tables: list[list[int]], starts: list[int],
     meta = AttnMetadata(
         backend=backend, batch=b, max_q=t, max_k=lk, write_idx=_tensor(write_idx, device),
         positions=_tensor(positions, device),
-        block_table=_tensor(table_np.astype(np.int32), device),
+        block_table=_tensor(table_np.astype(np.int32), device), invariant=invariant,
     )
     if backend == "flash":
         meta.cu_seqlens_q = _cumulative(q_lens).to(device)
@@ -125,14 +164,15 @@ def build_metadata(backend: str, tables: list[list[int]], starts: list[int],
         for runs in parts:
             tokens = [t for i in runs for t in range(offsets[i], offsets[i + 1])]
             sub = build_metadata(backend, [tables[i] for i in runs], [starts[i] for i in runs],
-                                 [q_lens[i] for i in runs], block_size, device)
+                                 [q_lens[i] for i in runs], block_size, device, invariant_group)
             meta.groups.append((torch.tensor(tokens, device=device), sub))
         return meta
     if not uniform:
         meta.pad_idx = _tensor(run * t + within, device)
-    if t == 1 and all(k == lk for k in k_lens):
+    # The invariant path always masks: is_causal and mask-free calls take other kernel paths.
+    if not invariant and t == 1 and all(k == lk for k in k_lens):
         return meta  # every gathered key is visible
-    if uniform and not any(starts):
+    if not invariant and uniform and not any(starts):
         meta.causal = True
         return meta
     q_pos = np.arange(t)[None, :] + starts_np[:, None]
@@ -186,6 +226,15 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     """q [N, H, D] against the cache, this forward's KV already written -> [N, H*D]."""
     if meta.backend == "flash":
         return _attend_flash(q, k_cache, v_cache, meta, scale)
+    if meta.invariant and torch.get_num_threads() > 1:
+        # The kernel's per-thread scratch sits at another alignment in each thread, and MKL sums
+        # differently at another alignment: which thread gets a row depends on the batch.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return attend(q, k_cache, v_cache, meta, scale)
+        finally:
+            torch.set_num_threads(threads)
     if meta.groups is not None:
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for tokens, sub in meta.groups:
@@ -214,7 +263,7 @@ def _attend_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k = _gather(k_cache, meta)
     v = _gather(v_cache, meta)
     mask = meta.mask
-    if t <= FOLD_MAX_T and not meta.causal:
+    if meta.invariant or (t <= FOLD_MAX_T and not meta.causal):
         # A KV head's query heads and the run's tokens share the query axis [B, KH, T*G, D]:
         # K/V are read once per KV head (SDPA's own GQA on CPU repeats them per query head).
         g = h // kh

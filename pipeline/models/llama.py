@@ -171,8 +171,13 @@ class CpuLinear(nn.Module):
         self.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
         self.bias = linear.bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8)
+        # oneDNN gives a row the same bits at any row count, MKL's GEMV other bits than oneDNN:
+        # the batch-invariant path (pipeline.models.attention) runs every row count on oneDNN.
+        self.row_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant and x.dim() == 2:
+            return self._onednn(x)
         if x.dim() != 2 or x.shape[0] == 1:
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] == 2:

@@ -13,19 +13,22 @@ import torch
 from pipeline.models.attention import FLASH_PAGE_MULTIPLE, build_metadata, resolve_backend
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import DEFAULT_BLOCK_SIZE, CacheFullError, KVCache
-from pipeline.models.llama import use_column_major_weights
-from pipeline.models.quant import pack_quantized
+from pipeline.models.llama import CpuLinear, use_column_major_weights
+from pipeline.models.quant import Int4Linear, pack_quantized
 
 __all__ = ["CacheFullError", "ModelRunner"]
+
+INVARIANT_SETTINGS = ("auto", "on", "off")
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_slots: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  backend: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
-                 kv_cache_tokens: int | None = None, prefix_caching: bool = False) -> None:
+                 kv_cache_tokens: int | None = None, prefix_caching: bool = False,
+                 attention_invariant: str = "auto") -> None:
         """`kv_cache_tokens`: the pool's size, rounded up to whole blocks (None: num_slots x
-        max_len)."""
+        max_len). `attention_invariant`: see `resolve_invariant`."""
         self.config = config
         self.num_slots = num_slots
         self.max_len = max_len
@@ -37,6 +40,14 @@ class ModelRunner:
         if self.device.type == "cpu" and dtype == torch.float32 and hasattr(self.model, "layers"):
             use_column_major_weights(self.model)
         pack_quantized(self.model)
+        self.invariant = resolve_invariant(attention_invariant, self.model, self.device,
+                                           dtype, self.backend)
+        # query heads per KV head; None: the faster, batch-dependent attention
+        self.invariant_group = config.num_heads // config.num_kv_heads if self.invariant else None
+        if self.invariant:
+            for module in self.model.modules():
+                if isinstance(module, CpuLinear):
+                    module.row_invariant = True
         self.tokenizer = None
         self.chat_template: str | None = None
         if self.backend == "flash" and block_size % FLASH_PAGE_MULTIPLE:
@@ -94,7 +105,7 @@ class ModelRunner:
             raise ValueError(f"token id {bad} out of vocabulary [0, {self.vocab_size})")
         self.cache.reserve(slots, [s + n for s, n in zip(starts, q_lens)])
         meta = build_metadata(self.backend, [self.cache.table(s) for s in slots], starts,
-                              q_lens, self.cache.block_size, self.device)
+                              q_lens, self.cache.block_size, self.device, self.invariant_group)
         out_lens = [1 if f else n for f, n in zip(flags, q_lens)]
         logits_idx = None
         if any(flags):
@@ -132,3 +143,21 @@ class ModelRunner:
                                  f"over max_len {self.max_len}")
             starts.append(start)
         return starts
+
+
+def resolve_invariant(setting: str, model: torch.nn.Module, device: torch.device,
+                      dtype: torch.dtype, backend: str) -> bool:
+    """Whether a row's logits must not depend on the rest of its forward. "auto": on where the
+    model has 4-bit projections on the CPU in float32: their kernel rounds its input to bfloat16,
+    which turns the batch-dependent attention's last-bit differences into logit differences that
+    break speculative == target only at near-ties (docs/quantized-weights.md)."""
+    if setting not in INVARIANT_SETTINGS:
+        raise ValueError(f"attention_invariant must be one of {INVARIANT_SETTINGS}, "
+                         f"got {setting!r}")
+    cpu32 = device.type == "cpu" and dtype == torch.float32 and backend == "sdpa"
+    if setting == "on" and not cpu32:
+        raise ValueError("attention_invariant: on needs the sdpa backend on the CPU in float32 "
+                         f"(device {device}, dtype {dtype}, backend {backend})")
+    if setting == "auto":
+        return cpu32 and any(isinstance(m, Int4Linear) for m in model.modules())
+    return setting == "on"

