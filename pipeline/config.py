@@ -60,8 +60,8 @@ class EngineConfig:
     attention_invariant: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
-    # Not "quantized" by default: the int4 kernel rounds its input to bfloat16, so greedy
-    # speculative output can leave target only's at a near-tie (docs/quantized-weights.md).
+    # Not "quantized" by default: its 64-token prefill and (invariant) decode are not yet faster
+    # everywhere (docs/quantized-weights.md).
     weights: str = "float"
     quantization: str | None = None
     max_waiting: int = 256
