@@ -57,14 +57,8 @@ def unrolled_hidden(head: Eagle3Head, aux: torch.Tensor, tokens: torch.Tensor,
     chain_v: list[torch.Tensor] = []
     for s in range(steps):
         cos, sin = head.rotary.lookup(torch.arange(s, n + s), hidden.dtype)
-        embeds = head.input_norm(head.embed(tokens[:, 1 + s:1 + s + n]))
-        if head.config.norm_before_residual:
-            hidden = head.hidden_norm(hidden)
-            residual = hidden
-        else:
-            residual = hidden
-            hidden = head.hidden_norm(hidden)
-        qk, v = attn.wqkv(torch.cat([embeds, hidden], -1)).split([(nh + kh) * hd, kh * hd], -1)
+        x, residual = head.layer_input(tokens[:, 1 + s:1 + s + n], hidden)
+        qk, v = attn.wqkv(x).split([(nh + kh) * hd, kh * hd], -1)
         qk = apply_rope(qk.view(b, n, nh + kh, hd), cos, sin)
         q, k = qk.split([nh, kh], dim=2)
         q = q.transpose(1, 2)                                        # [B, nh, N, hd]

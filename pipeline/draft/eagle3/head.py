@@ -142,6 +142,14 @@ class Eagle3Head(nn.Module):
         positions = torch.cat([torch.arange(c.length, c.length + n) for c, n in
                                zip(caches, counts)]).to(hidden.device)
         cos, sin = self.rotary.lookup(positions, hidden.dtype)
+        x, residual = self.layer_input(target_ids, hidden)
+        x = residual + self.attn(x, cos, sin, caches, counts)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def layer_input(self, target_ids: torch.Tensor, hidden: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer's 2H input (token embedding and hidden state, each normed) and
+        the residual it adds to."""
         embeds = self.input_norm(self.embed(target_ids))
         if self.config.norm_before_residual:
             hidden = self.hidden_norm(hidden)
@@ -149,9 +157,7 @@ class Eagle3Head(nn.Module):
         else:
             residual = hidden
             hidden = self.hidden_norm(hidden)
-        x = torch.cat([embeds, hidden], dim=-1)
-        x = residual + self.attn(x, cos, sin, caches, counts)
-        return x + self.mlp(self.mlp_norm(x))
+        return torch.cat([embeds, hidden], dim=-1), residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
