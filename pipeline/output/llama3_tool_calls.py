@@ -8,19 +8,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Collection
 
-from pipeline.output.tool_calls import ToolCall, ToolDelta, call_of, no_constant
+from pipeline.output.tool_calls import ToolCall, ToolDelta, ToolStream, call_of, no_constant
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder(parse_constant=no_constant)
 
 
-class Llama3JsonStream:
+class Llama3JsonStream(ToolStream):
     def __init__(self, names: Collection[str] | None = None,
                  new_id: Callable[[int], str] = lambda i: f"call_{i}") -> None:
-        self.names = None if names is None else frozenset(names)
-        self.new_id = new_id
-        self.calls: list[ToolCall] = []
-        self.content = ""
+        super().__init__(names, new_id)
         self._parts: list[str] = []
         self._mode = "start"  # then "content" or "calls"
 

@@ -42,10 +42,8 @@ def partial_marker(text: str, marker: str = START) -> int:
     return 0
 
 
-class HermesStream:
-    """`feed` each text delta, then `finish`; the deltas' concatenation is the same however the
-    text was cut. After the first call, whitespace between calls is dropped; other text there
-    stays content."""
+class ToolStream:
+    """What every parser keeps: the tools it may call, how it names calls, and what it sent."""
 
     def __init__(self, names: Collection[str] | None = None,
                  new_id: Callable[[int], str] = lambda i: f"call_{i}") -> None:
@@ -53,6 +51,16 @@ class HermesStream:
         self.new_id = new_id
         self.calls: list[ToolCall] = []
         self.content = ""
+
+
+class HermesStream(ToolStream):
+    """`feed` each text delta, then `finish`; the deltas' concatenation is the same however the
+    text was cut. After the first call, whitespace between calls is dropped; other text there
+    stays content."""
+
+    def __init__(self, names: Collection[str] | None = None,
+                 new_id: Callable[[int], str] = lambda i: f"call_{i}") -> None:
+        super().__init__(names, new_id)
         self._buf = ""
         self._in_call = False
         # A call's text arrives in `_parts`, joined only once END may be in it: long arguments
