@@ -256,8 +256,12 @@ class Engine:
         lasts as long as its request (Serve counts it), while its deltas go to the ingress's
         channel directly."""
         ended = asyncio.get_running_loop().create_future()
-        await self.submit(call, channel, ended)
-        await ended
+        try:
+            await self.submit(call, channel, ended)
+            await asyncio.shield(ended)
+        except asyncio.CancelledError:  # its client left: the request ends here too
+            asyncio.ensure_future(self.abort(call.rid))
+            raise
 
     async def outputs(self, channel: str) -> AsyncIterator[bytes]:
         """The deltas of every request submitted on `channel`, as they come (pipeline.engine.relay):

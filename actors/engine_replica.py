@@ -17,6 +17,7 @@ request's deltas per `generate(call)` call from the ingress (actors/serve_app.py
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -63,6 +64,7 @@ class EngineReplica:
         # start_engine blocks (model loads): keep the replica's loop free.
         self.engine = await asyncio.to_thread(start_engine, config, name)
         self.client = EngineClient(self.engine)
+        self._context = contextvars.copy_context()  # not a request's: Ray cancels those' calls
 
     async def generate(self, call: EngineCall, channel: str | None = None
                        ) -> AsyncIterator[bytes | str]:
@@ -78,7 +80,14 @@ class EngineReplica:
         try:
             if channel is not None:
                 yield self.engine_name
-                await self.engine.run.remote(call, channel)
+                run = self.engine.run.remote(call, channel)
+                try:
+                    await run
+                except asyncio.CancelledError:
+                    # Sent after `run` by the same caller, so it finds the request (the
+                    # ingress's own abort can overtake `run`), outside this cancelled call.
+                    self._context.run(self.engine.abort.remote, call.rid)
+                    raise
                 return
             async for batch in coalesce(self.client.generate(call)):
                 yield encode_deltas(batch)

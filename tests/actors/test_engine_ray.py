@@ -71,6 +71,30 @@ def test_ray_abort_ends_stream_and_frees_slots(engines):
     assert stats["free_slots"] == stats["num_slots"] == 8
 
 
+def test_a_cancelled_run_call_ends_its_request(engines):
+    """What Serve does to an engine replica's call when the HTTP client leaves: the request ends
+    in the engine too, whether it was running or still queued."""
+    import ray
+
+    client = EngineClient(engines["tp1"])
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)  # each needs >= 40 steps
+    slots = asyncio.run(client.stats())["num_slots"]
+    runs = [engines["tp1"].run.remote(EngineCall(f"cancel-{i}", PROMPTS[0], long), "cancel-test")
+            for i in range(slots + 1)]  # the last one waits for a slot
+    deadline = time.monotonic() + 30
+    while (s := asyncio.run(client.stats()))["waiting"] != 1 or s["free_slots"] != 0:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+    start = s["steps"]
+    for ref in runs:
+        ray.cancel(ref)
+    deadline = time.monotonic() + 10
+    while (s := asyncio.run(client.stats()))["free_slots"] != slots or s["waiting"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+    assert s["steps"] - start < 20  # none ran to its end (the queued one would need 40 more)
+
+
 def test_ray_full_queue_raises_overloaded_and_aborts_free_everything(engines):
     from pipeline.errors import EngineOverloadedError
 
