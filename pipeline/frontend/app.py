@@ -183,6 +183,7 @@ class Server:
             want_logprobs=jobs[0].params.logprobs is not None,
             tool_names=tool_names(req) if chat and parses_tool_calls(req) else None,
             tool_parser=self.settings.tool_call_parser,
+            one_tool_call=chat and req.parallel_tool_calls is False,
             include_usage=bool(req.stream and req.stream_options
                                and req.stream_options.include_usage))
         tenant = tenant_id(bearer_token(request.scope.get("headers") or []), req.user)

@@ -32,6 +32,7 @@ class ResponseShape:
     num_prompts: int = 1
     tool_names: list[str] | None = None  # parse tool calls of these functions (chat only)
     tool_parser: str = "hermes"
+    one_tool_call: bool = False  # parallel_tool_calls: false keeps only the first call
 
 
 class ResponseWriter:
@@ -152,6 +153,8 @@ class ResponseWriter:
         d = stream.feed(text)
         if finished:
             d.add(stream.finish())
+        if self.shape.one_tool_call:
+            d.calls = [k for k in d.calls if k.index == 0]
         c.parsed = True
         c.content += d.content
         c.tool_calls += d.calls

@@ -85,6 +85,17 @@ def test_parallel_calls_get_indexes_and_content_is_null():
     assert [d.index for d in deltas] == [0, 1]
 
 
+def test_parallel_tool_calls_false_keeps_only_the_first_call():
+    full, streamed, chunks = both(TWO_CALLS, 2, tools=[WEATHER, SEARCH],
+                                  parallel_tool_calls=False)
+    for done in (full, streamed):
+        c = done.choices[0]
+        assert (c.finish_reason, c.message.content, calls_of(c.message)) == (
+            "tool_calls", None, [("get_weather", '{"city": "Paris"}')])
+    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [d.index for d in deltas] == [0]
+
+
 def test_none_leaves_the_output_as_content():
     full, streamed, _ = both(ONE_CALL, tools=[WEATHER], tool_choice="none")
     for done in (full, streamed):
