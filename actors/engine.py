@@ -253,8 +253,7 @@ class Engine:
 
     async def run(self, call: EngineCall, channel: str) -> None:
         """`submit`, then return once the request has ended: an engine replica's Serve call
-        lasts as long as its request (Serve counts it), while its deltas go to the ingress's
-        channel directly."""
+        lasts as long as its request (Serve counts it); its deltas go to `channel`."""
         ended = asyncio.get_running_loop().create_future()
         try:
             await self.submit(call, channel, ended)

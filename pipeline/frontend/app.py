@@ -184,6 +184,7 @@ class Server:
             tool_names=tool_names(req) if chat and parses_tool_calls(req) else None,
             tool_parser=self.settings.tool_call_parser,
             one_tool_call=chat and req.parallel_tool_calls is False,
+            tool_calls_forced=chat and req.tool_choice not in (None, "auto", "none"),
             include_usage=bool(req.stream and req.stream_options
                                and req.stream_options.include_usage))
         tenant = tenant_id(bearer_token(request.scope.get("headers") or []), req.user)

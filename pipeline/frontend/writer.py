@@ -15,6 +15,7 @@ from pipeline.frontend.errors import ClientGone, error_for
 from pipeline.frontend.metrics import ServerMetrics
 from pipeline.frontend.run import EngineRun
 from pipeline.output.request_output import RequestOutput
+from pipeline.output.tool_calls import ToolDelta
 from pipeline.output.tool_parsers import new_tool_stream
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class ResponseShape:
     tool_names: list[str] | None = None  # parse tool calls of these functions (chat only)
     tool_parser: str = "hermes"
     one_tool_call: bool = False  # parallel_tool_calls: false keeps only the first call
+    tool_calls_forced: bool = False  # by the grammar (required / named): arguments streamed
 
 
 class ResponseWriter:
@@ -44,7 +46,8 @@ class ResponseWriter:
         self.last: list[float | None] = [None] * shape.n_choices
         self.created = int(time.time())
         self.tool_streams = None if shape.tool_names is None else [
-            new_tool_stream(shape.tool_parser, shape.tool_names) for _ in range(shape.n_choices)]
+            new_tool_stream(shape.tool_parser, shape.tool_names, shape.tool_calls_forced)
+            for _ in range(shape.n_choices)]
 
     async def first_deltas(self, deadline: float | None) -> list[tuple[int, RequestOutput]]:
         """The first delta of any choice, plus whatever else is queued: overload errors come at
@@ -131,7 +134,10 @@ class ResponseWriter:
         self._record(index, out)
         text, calls = out.text, []
         if self.tool_streams is not None:
-            text, calls = self._parse(c, out.text, out.finished)
+            d = self._parse(c, out.text, out.finished)
+            text = d.content
+            calls = [{"index": k.index, **k.openai()} for k in d.calls] + [
+                {"index": i, "function": {"arguments": a}} for i, a in d.args]
         if not text and not calls and not out.token_ids and not out.finished:
             return None
         if not text and not calls and not out.finished and not s.want_logprobs:
@@ -143,22 +149,23 @@ class ResponseWriter:
             delta: dict[str, Any] = ({"content": text} if text or not (
                 out.finished or self.tool_streams) else {})
             if calls:
-                delta["tool_calls"] = [{"index": k.index, **k.openai()} for k in calls]
+                delta["tool_calls"] = calls
             return resp.chat_chunk(s.rid, s.model, self.created, index, delta, lp, **fin)
         return resp.completion_chunk(s.rid, s.model, self.created, index, out.text, lp, **fin)
 
-    def _parse(self, c: resp.ChoiceState, text: str, finished: bool) -> tuple[str, list]:
-        """A text delta through the choice's tool-call parser: (content, new calls)."""
+    def _parse(self, c: resp.ChoiceState, text: str, finished: bool) -> ToolDelta:
+        """A text delta through the choice's tool-call parser."""
         stream = self.tool_streams[c.index]  # type: ignore[index]
         d = stream.feed(text)
         if finished:
             d.add(stream.finish())
         if self.shape.one_tool_call:
             d.calls = [k for k in d.calls if k.index == 0]
+            d.args = [a for a in d.args if a[0] == 0]
         c.parsed = True
         c.content += d.content
-        c.tool_calls += d.calls
-        return d.content, d.calls
+        c.tool_calls += d.calls  # (streamed: the calls' arguments as first announced)
+        return d
 
     def _sse(self, chunk: dict[str, Any]) -> str:
         if self.shape.include_usage:

@@ -27,11 +27,13 @@ class ToolCall:
 @dataclass
 class ToolDelta:
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # new calls, with their arguments so far
+    args: list[tuple[int, str]] = field(default_factory=list)  # more of announced calls' arguments
 
     def add(self, other: ToolDelta) -> None:
         self.content += other.content
         self.calls += other.calls
+        self.args += other.args
 
 
 def partial_marker(text: str, marker: str = START) -> int:

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Collection
 from typing import Any
 
+from pipeline.output.forced_tool_calls import ForcedCallStream
 from pipeline.output.llama3_tool_calls import PYTHON_TAG, Llama3JsonStream
 from pipeline.output.tool_calls import END, START, HermesStream
 
@@ -14,9 +15,11 @@ PARSERS = ("none", "hermes", "llama3_json")
 MARKERS = {"hermes": (START, END), "llama3_json": (PYTHON_TAG,)}
 
 
-def new_tool_stream(parser: str, names: Collection[str]) -> Any:
-    """A per-choice parser: `feed` text deltas, then `finish`."""
-    kind = {"hermes": HermesStream, "llama3_json": Llama3JsonStream}[parser]
+def new_tool_stream(parser: str, names: Collection[str], forced: bool = False) -> Any:
+    """A per-choice parser: `feed` text deltas, then `finish`. `forced`: the grammar makes every
+    call parse, whatever the parser's markup (pipeline.output.forced_tool_calls)."""
+    kind = ForcedCallStream if forced else {
+        "hermes": HermesStream, "llama3_json": Llama3JsonStream}[parser]
     return kind(names, _call_id)
 
 

@@ -29,8 +29,9 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
     "properties": {"q": {"type": "string", "maxLength": 8}}}}}
 
 
-def chat_many(requests: list[dict], **overrides) -> list:
-    """Each request's completion; one with "stream": True reassembled by the SDK's helper."""
+def chat_many(requests: list[dict], chunks: list | None = None, **overrides) -> list:
+    """Each request's completion; one with "stream": True reassembled by the SDK's helper (its
+    chunks added to `chunks`)."""
     config = load_config("configs/tiny.yaml", {"attention_backend": "sdpa",
                                                "max_model_len": 2048, **overrides})
     core = build_local_engine(config)
@@ -50,7 +51,10 @@ def chat_many(requests: list[dict], **overrides) -> list:
                         done.append(await c.chat.completions.create(**kw))
                         continue
                     async with c.chat.completions.stream(**kw) as s:
+                        got = [e.chunk async for e in s if e.type == "chunk"]
                         done.append(await s.get_final_completion())
+                    if chunks is not None:
+                        chunks.append(got)
                 return done
         finally:
             await core.stop()
@@ -86,10 +90,16 @@ def test_required_and_named_streamed_reassemble_to_the_non_streamed_call():
     base = {"tools": [WEATHER, SEARCH], "temperature": 1.0, "max_tokens": 200, "seed": 5}
     named = {"type": "function", "function": {"name": "search"}}
     kws = [{**base, "tool_choice": "required"}, {**base, "tool_choice": named}]
-    done = chat_many([*kws, *({**kw, "stream": True} for kw in kws)])
+    chunks: list = []
+    done = chat_many([*kws, *({**kw, "stream": True} for kw in kws)], chunks)
     got = [[(t.function.name, t.function.arguments) for t in d.choices[0].message.tool_calls]
            for d in done]
     assert got[:2] == got[2:]
+    for stream in chunks:  # the arguments arrive as they are generated, the name once first
+        deltas = [t for c in stream if c.choices for t in c.choices[0].delta.tool_calls or []]
+        assert deltas[0].id and deltas[0].function.name
+        assert all(d.id is None and d.function.name is None for d in deltas[1:])
+        assert len(deltas) > 3
     assert all(d.choices[0].finish_reason == "tool_calls" for d in done)
     assert {name for name, _ in got[1]} == {"search"}
 
