@@ -19,9 +19,12 @@ from support.tool_models import (
     mistral_output,
 )
 
-from pipeline.config import load_config
+from pipeline.config import EngineConfig, load_config
 from pipeline.engine.local import LocalEngineClient, build_local_engine
 from pipeline.frontend.app import ServerSettings, create_app
+from pipeline.frontend.tools import Tool, tool_grammar
+from pipeline.grammar.llg import compile_grammar, grammar_matcher
+from pipeline.tiny_tokenizer import ByteTokenizer
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -99,6 +102,25 @@ def test_a_special_token_marker_is_kept_in_the_text_for_the_parser():
                              "/v1/chat/completions", {"messages": USER, "max_tokens": 4, **body}))
         assert r.status_code == 200, r.text
         assert list(engine.requests.values())[-1].skip_special_tokens is skip
+
+
+def test_the_parser_is_accepted_at_load():
+    assert EngineConfig(model="tiny:1", tool_call_parser="mistral").tool_call_parser == "mistral"
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_the_required_grammar_takes_one_array_of_calls_and_more_only_when_parallel(parallel):
+    tok = ByteTokenizer()
+    req = type("Req", (), {"tools": [Tool.model_validate(t) for t in (WEATHER, SEARCH)],
+                           "tool_choice": "required", "parallel_tool_calls": parallel})()
+    grammar = compile_grammar("lark", tool_grammar(req, "mistral"), tok)
+    # The grammar's JSON is compact (whitespace_flexible off); calls are joined by ", ".
+    one = '[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Paris"}}]'
+    two = one[:-1] + ', {"name":"search","arguments":{"q":"x"}}]'
+    for text, ok in ((one, True), (two, parallel is None), (" " + one, False)):
+        m = grammar_matcher(grammar, tok)
+        ids = tok.encode(text)
+        assert (m.valid_prefix(ids) == len(ids)) is ok, text
 
 
 def test_required_and_named_on_the_tiny_engine_are_parsed_mistral_calls():
