@@ -23,7 +23,7 @@ class ServerSettings:
     max_choices_per_request: int = 64
     # True: a client's special-token text is tokenized as text, so it cannot forge chat turns.
     split_special_tokens: bool = True
-    # "hermes", "llama3_json": `tools` accepted and calls parsed (docs/tool-calling.md).
+    # "hermes", "llama3_json", "mistral": `tools` accepted and calls parsed (docs/tool-calling.md).
     tool_call_parser: str = "none"
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.frontend.errors import bad_request
+from pipeline.output.mistral_tool_calls import TOOL_CALLS
 from pipeline.output.tool_calls import END, START
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # OpenAI's function name rule
@@ -133,6 +134,9 @@ def tool_grammar(req: Any, parser: str = "hermes") -> str | None:
     if parser == "llama3_json":
         more = ' ("; " body)*' if req.parallel_tool_calls is not False else ""
         return f"start: body{more}\n" + body  # no <|python_tag|>: a special token in Llama 3
+    if parser == "mistral":
+        more = ' (", " body)*' if req.parallel_tool_calls is not False else ""
+        return f'start: "{TOOL_CALLS}[" body{more} "]"\n' + body
     more = ' ("\\n" call)*' if req.parallel_tool_calls is not False else ""
     return f'start: call{more}\ncall: "{START}\\n" body "\\n{END}"\n' + body
 

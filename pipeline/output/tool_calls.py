@@ -45,7 +45,8 @@ def partial_marker(text: str, marker: str = START) -> int:
 
 
 class ToolStream:
-    """What every parser keeps: the tools it may call, how it names calls, and what it sent."""
+    """What every parser keeps: the tools it may call, how it names calls, what it sent, and the
+    text between calls (`_outside`)."""
 
     def __init__(self, names: Collection[str] | None = None,
                  new_id: Callable[[int], str] = lambda i: f"call_{i}") -> None:
@@ -53,6 +54,17 @@ class ToolStream:
         self.new_id = new_id
         self.calls: list[ToolCall] = []
         self.content = ""
+        self._seg = ""  # whitespace after a call, dropped unless more text follows
+        self._seg_is_content = True  # the text before the first call always is
+
+    def _outside(self, out: ToolDelta, text: str, closing: bool) -> None:
+        if self._seg_is_content or text.strip():
+            out.content += self._seg + text
+            self._seg, self._seg_is_content = "", True
+        else:
+            self._seg += text
+        if closing:
+            self._seg = ""
 
 
 class HermesStream(ToolStream):
@@ -69,8 +81,6 @@ class HermesStream(ToolStream):
         # stay linear. `_tail`: the call text's last len(END) - 1 characters.
         self._parts: list[str] = []
         self._tail = ""
-        self._seg = ""  # whitespace after a call, dropped unless more text follows
-        self._seg_is_content = True  # the text before the first call always is
 
     def feed(self, text: str) -> ToolDelta:
         if self._in_call and END not in self._tail + text:
@@ -125,15 +135,6 @@ class HermesStream(ToolStream):
             break
         self.content += out.content
         return out
-
-    def _outside(self, out: ToolDelta, text: str, closing: bool) -> None:
-        if self._seg_is_content or text.strip():
-            out.content += self._seg + text
-            self._seg, self._seg_is_content = "", True
-        else:
-            self._seg += text
-        if closing:
-            self._seg = ""
 
     def _parse(self, body: str) -> ToolCall | None:
         try:

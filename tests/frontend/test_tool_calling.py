@@ -212,7 +212,7 @@ def test_tool_call_parser_is_validated_at_load():
     with pytest.raises(ValueError, match="tool_call_parser"):
         EngineConfig(model="tiny:1", tool_call_parser="pythonic")
     with pytest.raises(ValueError, match="tool_call_parser"):
-        ServerSettings(tool_call_parser="mistral")
+        ServerSettings(tool_call_parser="pythonic")
     assert EngineConfig(model="tiny:1", tool_call_parser="hermes").tool_call_parser == "hermes"
 
 

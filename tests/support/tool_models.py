@@ -136,3 +136,27 @@ def llama3_output(calls: list[tuple[str, dict]], tag: bool = False) -> str:
     """What a Llama-3-template model writes for calls: JSON objects joined by "; "."""
     body = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
     return ("<|python_tag|>" if tag else "") + body
+
+
+# Mistral's v3 (pre-v11) tool template, shortened: tools before the last user turn, calls as
+# [TOOL_CALLS] and a JSON array, results in [TOOL_RESULTS]. With a byte tokenizer the control
+# tokens are plain text.
+MISTRAL_TEMPLATE = """\
+{%- set user_messages = messages | selectattr('role', 'equalto', 'user') | list %}
+{{- '<s>' }}
+{%- for m in messages %}
+{%- if m.role == 'user' %}
+{%- if tools and m == user_messages[-1] %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]\
+{%- endif %}[INST]{{ m.content }}[/INST]
+{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS][\
+{%- for tc in m.tool_calls %}{"name": "{{ tc.function.name }}", "arguments": \
+{{ tc.function.arguments | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]</s>
+{%- elif m.role == 'assistant' %}{{ m.content }}</s>
+{%- elif m.role == 'tool' %}[TOOL_RESULTS]{"content": {{ m.content | tojson }}}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}"""
+
+
+def mistral_output(content: str, calls: list[tuple[str, dict]]) -> str:
+    """What a Mistral-template model writes: content, then [TOOL_CALLS] and the calls' array."""
+    return content + "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
