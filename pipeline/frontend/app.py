@@ -34,9 +34,15 @@ from pipeline.frontend.settings import API_KEY_ENV, ServerSettings
 from pipeline.frontend.structured import request_grammar, wants_grammar
 from pipeline.frontend.tenant import bearer_token, tenant_id
 from pipeline.frontend.tokenizer import TokenizerAdapter
-from pipeline.frontend.tools import parses_tool_calls, supports_tools, template_tools, tool_names
+from pipeline.frontend.tools import (
+    parses_tool_calls,
+    supports_tools,
+    template_text,
+    template_tools,
+    tool_names,
+)
 from pipeline.frontend.writer import ResponseShape, ResponseWriter, SSEResponse
-from pipeline.output.tool_parsers import MARKERS
+from pipeline.output.tool_parsers import MARKERS, check_parser_template
 from pipeline.params import SamplingParams
 from pipeline.tracing.otel import context_from_traceparent, get_tracer
 
@@ -86,6 +92,8 @@ class Server:
         if self.tools_on and not supports_tools(tokenizer):
             log.warning("tool_call_parser is %s but the chat template has no tools: requests "
                         "with tools get a 400", settings.tool_call_parser)
+        elif self.tools_on:
+            check_parser_template(settings.tool_call_parser, template_text(tokenizer))
 
     async def drain(self, timeout: float) -> int:
         """Refuse new generation requests and fail /health; returns how many are still in flight

@@ -109,11 +109,15 @@ def template_tool_calls(calls: list[MessageToolCall]) -> list[dict[str, Any]]:
         "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in calls]
 
 
-def supports_tools(tokenizer: Any) -> bool:
+def template_text(tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = " ".join(str(t) for t in template.values())
-    return isinstance(template, str) and "tools" in template
+    return template if isinstance(template, str) else ""
+
+
+def supports_tools(tokenizer: Any) -> bool:
+    return "tools" in template_text(tokenizer)
 
 
 def tool_grammar(req: Any, parser: str = "hermes") -> str | None:

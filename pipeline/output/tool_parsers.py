@@ -14,6 +14,8 @@ from pipeline.output.tool_calls import END, START, HermesStream
 
 PARSERS = ("none", "hermes", "llama3_json", "mistral")
 MARKERS = {"hermes": (START, END), "llama3_json": (PYTHON_TAG,), "mistral": (TOOL_CALLS,)}
+# What a chat template of the parser's family writes for an assistant's call.
+TEMPLATE_SIGNS = {"hermes": START, "llama3_json": '"parameters"', "mistral": TOOL_CALLS}
 
 
 def new_tool_stream(parser: str, names: Collection[str], forced: bool = False) -> Any:
@@ -22,6 +24,16 @@ def new_tool_stream(parser: str, names: Collection[str], forced: bool = False) -
     kind = ForcedCallStream if forced else {
         "hermes": HermesStream, "llama3_json": Llama3JsonStream, "mistral": MistralStream}[parser]
     return kind(names, _call_id)
+
+
+def check_parser_template(parser: str, template: str) -> None:
+    """A template that shows tools but writes calls in another format than `parser` reads:
+    every call would silently end as content, so refuse to start."""
+    sign = TEMPLATE_SIGNS.get(parser)
+    if sign is not None and "tools" in template and sign not in template:
+        raise ValueError(f"tool_call_parser: {parser!r} reads calls written with {sign}, which "
+                         f"this model's chat template never writes; choose the parser of its "
+                         f"family ({', '.join(PARSERS[1:])})")
 
 
 def _call_id(index: int) -> str:

@@ -216,6 +216,13 @@ def test_tool_call_parser_is_validated_at_load():
     assert EngineConfig(model="tiny:1", tool_call_parser="hermes").tool_call_parser == "hermes"
 
 
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_a_parser_whose_format_the_template_never_writes_is_refused_at_load(parser):
+    with pytest.raises(ValueError, match=f"tool_call_parser: '{parser}'"):
+        app_for(engine_for(ONE_CALL), parser=parser)  # a Hermes template
+    app_for(engine_for(ONE_CALL), TemplateByteTok(PLAIN_TEMPLATE), parser)  # no tools: a warning
+
+
 def test_special_token_markers_are_kept_in_the_text_for_the_parser():
     class Special(TemplateByteTok):
         all_special_tokens = ("<tool_call>", "</tool_call>")
