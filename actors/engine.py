@@ -27,6 +27,7 @@ from actors.stage_actors import (
     replace_stages,
     reset_survivors,
 )
+from actors.stage_groups import remove_stage_groups
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
 from pipeline.engine.draft_failover import step_with_draft
@@ -35,7 +36,6 @@ from pipeline.engine.relay import OutputChannel, request_sink
 from pipeline.engine.stage_rebuild import Replace, until_built
 from pipeline.engine.stage_resources import (
     engine_needs,
-    live_stage_groups,
     stage_group_name,
     stage_resources,
 )
@@ -384,17 +384,3 @@ def stop_engine(handle: Any) -> None:
     finally:
         ray.kill(handle, no_restart=True)
         remove_stage_groups(handle)
-
-
-def remove_stage_groups(engine: Any) -> int:
-    """Remove what is left of the placement groups the Engine actor `engine` made for its stages;
-    returns how many. Ray frees a group made by an actor only once that actor and its job have
-    both ended, and a Serve replica's job is the one that started Serve: an engine killed by a
-    signal kept its verifier CPUs/GPUs reserved, and its replacement could wait for them."""
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    groups = live_stage_groups(ray.util.placement_group_table(), engine._actor_id.hex())
-    for pg_id in groups:
-        with contextlib.suppress(Exception):  # removed meanwhile
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
-    return len(groups)

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from actors.engine import remove_stage_groups, start_engine
+from actors.engine import start_engine
 from actors.engine_client import EngineClient
 from actors.replica_client import engine_actor_name
 from actors.serve_common import (
@@ -34,6 +34,7 @@ from actors.serve_common import (
     loopback_replica_grpc,
     resolve_config_path,
 )
+from actors.stage_groups import remove_orphan_stage_groups, remove_stage_groups
 from pipeline.config import load_config
 from pipeline.output.coalesce import coalesce
 from pipeline.output.delta_codec import encode_deltas
@@ -116,6 +117,11 @@ class EngineReplica:
             # its placement group outlives it (remove_stage_groups): free it for the replacement
             await asyncio.to_thread(remove_stage_groups, self.engine)
             raise
+        # and so do those of engines whose replica was killed before it could clean up
+        try:
+            await asyncio.to_thread(remove_orphan_stage_groups)
+        except Exception as e:  # noqa: BLE001 - a sweep that fails is tried again next check
+            log.warning("removing the placement groups of dead engines: %s", e)
 
     async def __del__(self) -> None:
         # Replica shutdown: stop the engine so its stage actors and placement group go too;

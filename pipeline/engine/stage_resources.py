@@ -3,7 +3,7 @@ into Ray options), and the names of their placement groups."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,3 +61,28 @@ def live_stage_groups(table: Mapping[str, Mapping[str, Any]], engine_id: str) ->
     prefix = stage_group_prefix(engine_id)
     return [pg_id for pg_id, row in table.items()
             if row["name"].startswith(prefix) and row["state"] != "REMOVED"]
+
+
+def engine_of_group(name: str) -> str | None:
+    """The engine actor id in a stage group's name (None: not a stage group)."""
+    prefix, _, rest = name.partition(":")
+    engine_id = rest.rpartition(":")[0]
+    return engine_id if prefix == GROUP_PREFIX and engine_id else None
+
+
+def orphan_stage_groups(table: Mapping[str, Mapping[str, Any]],
+                        is_dead: Callable[[str], bool]) -> list[str]:
+    """The stage groups not yet removed whose engine actor is dead (`is_dead` asked once per
+    engine)."""
+    dead: dict[str, bool] = {}
+    groups = []
+    for pg_id, row in table.items():
+        engine_id = engine_of_group(row["name"])
+        if engine_id is None or row["state"] == "REMOVED":
+            continue
+        if engine_id not in dead:
+            dead[engine_id] = is_dead(engine_id)
+        if dead[engine_id]:
+            groups.append(pg_id)
+    return groups
+

@@ -258,6 +258,25 @@ def test_killed_stage_actor_fails_requests_fast_then_engine_replaces_only_it(eng
     assert stats["restarts"] == restarts + 1 and stats["healthy"]
 
 
+def test_a_killed_engines_groups_are_swept_and_a_live_engines_are_kept(engines):
+    """What a replica's health check does for an engine killed with its replica (no cleanup)."""
+    import ray
+
+    from actors.engine import start_engine
+    from actors.stage_groups import remove_orphan_stage_groups
+
+    victim = start_engine(load_config("configs/tiny.yaml", {"draft": "none"}))
+    assert asyncio.run(EngineClient(victim).health())["healthy"]
+    assert len(_stage_groups(victim)) == 1
+    ray.kill(victim, no_restart=True)
+    deadline = time.monotonic() + 30
+    while _stage_groups(victim):
+        remove_orphan_stage_groups()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert all(_stage_groups(engines[tp]) for tp in ("tp1", "tp2"))
+
+
 def _stage_groups(handle) -> list[str]:
     import ray
 

@@ -7,7 +7,9 @@ from pipeline.config import EngineConfig
 from pipeline.engine.model_info import model_info
 from pipeline.engine.stage_resources import (
     engine_needs,
+    engine_of_group,
     live_stage_groups,
+    orphan_stage_groups,
     stage_group_name,
     stage_resources,
 )
@@ -52,6 +54,26 @@ def test_an_engines_live_groups_are_its_own_builds_not_yet_removed():
         "p5": {"name": "", "state": "CREATED"},
     }
     assert live_stage_groups(table, "ab") == ["p2", "p3"]
+
+
+def test_orphan_groups_are_the_live_groups_of_dead_engines_asked_once_each():
+    assert engine_of_group(stage_group_name("ab", 3)) == "ab"
+    assert engine_of_group("specrelay-stages") is None and engine_of_group("other:ab:1") is None
+    table = {
+        "p1": {"name": stage_group_name("dead", 1), "state": "REMOVED"},
+        "p2": {"name": stage_group_name("dead", 2), "state": "CREATED"},
+        "p3": {"name": stage_group_name("dead", 3), "state": "PENDING"},
+        "p4": {"name": stage_group_name("alive", 1), "state": "CREATED"},
+        "p5": {"name": "someone-elses", "state": "CREATED"},
+    }
+    asked = []
+
+    def is_dead(engine_id: str) -> bool:
+        asked.append(engine_id)
+        return engine_id == "dead"
+
+    assert orphan_stage_groups(table, is_dead) == ["p2", "p3"]
+    assert sorted(asked) == ["alive", "dead"]
 
 
 def test_model_info_is_the_config_and_what_the_loaded_stages_reported():
