@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         configs[draft] = load_config(CONFIGS[draft], over)
     print(f"{commit_label()}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
           f"turns {args.turns}, max_tokens {args.max_tokens}, tool_choice {args.tool_choice}, "
-          f"reps {args.reps}", flush=True)
+          f"reps {args.reps}, load average {os.getloadavg()[0]:.2f}", flush=True)
     t0 = time.perf_counter()
 
     def measure(draft: str, rep: int) -> dict[str, Any]:
@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["draft", "k", "speculation", "tokens / forward, turns 2.. (median, range)",
                "s / turn (median)", "tokens / s", "calls = none's"]
     print(markdown_table(columns, rows))
+    print(f"{time.perf_counter() - t0:.0f} s in all, load average {os.getloadavg()[0]:.2f} at "
+          f"the end (wall times are this machine's, shared)")
     if args.json:
         write_json(args.json, {"meta": run_meta(args, time.perf_counter() - t0,
                                                 threads=torch.get_num_threads()),
