@@ -4,8 +4,8 @@ tool result -> next call), greedy, `tool_choice: required`; tokens per target fo
 drafting, n-gram and suffix drafting, every mode's calls checked against target-only greedy.
 
     .venv/bin/python scripts/bench_agent_loop.py [--drafts none ngram suffix] [--reps 2]
-        [--turns 6] [--max-tokens 120] [--tool-choice required|cycle] [--fixed-k] [--k K]
-        [--json out.json]
+        [--turns 6] [--max-tokens 120] [--tool-choice required|cycle] [--compact-history]
+        [--fixed-k] [--k K] [--json out.json]
 
 The app runs in-process over `LocalEngineClient(build_local_engine(config))`, reached by the
 official `openai` client over httpx's ASGI transport. SmolLM2's own chat template has no tools, so
@@ -46,6 +46,7 @@ CONFIGS = {"none": "configs/smollm2-cpu.yaml", "ngram": "configs/smollm2-cpu.yam
 
 # Qwen2.5's tool template, shortened (tests/support/tool_models.py), with SmolLM2's ChatML turns:
 # tools in the system turn, calls as <tool_call> JSON, results as <tool_response> in a user turn.
+# A call renders as Qwen2.5's does (`<|im_start|>assistant\n<tool_call>\n{"name": "grep", ...`).
 TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 {{ messages[0].content if messages[0].role == 'system' else 'You are a helpful AI assistant.' }}
@@ -77,7 +78,7 @@ For each function call, return a json object with function name and arguments wi
 {%- if message.content %}
 {{ message.content }}{% endif %}
 {%- for tool_call in message.tool_calls %}
-<tool_call>
+{{ '\n' }}<tool_call>
 {"name": "{{ tool_call.function.name }}", "arguments": {{ tool_call.function.arguments | tojson }}}
 </tool_call>
 {%- endfor %}<|im_end|>
@@ -89,6 +90,14 @@ For each function call, return a json object with function name and arguments wi
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+
+
+# The history's calls as the `required` grammar writes them (compact JSON, no spaces).
+COMPACT = TEMPLATE.replace(
+    '{"name": "{{ tool_call.function.name }}", "arguments": {{ tool_call.function.arguments | '
+    'tojson }}}', '{"name":"{{ tool_call.function.name }}","arguments":'
+    '{{ tool_call.function.arguments | tojson(separators=(",", ":")) }}}')
+assert COMPACT != TEMPLATE
 
 
 def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
@@ -140,12 +149,13 @@ def choice_for(mode: str, turn: int) -> Any:
     return {"type": "function", "function": {"name": TOOLS[turn % len(TOOLS)]["function"]["name"]}}
 
 
-async def agent_loop(config: Any, turns: int, max_tokens: int, mode: str) -> dict[str, Any]:
+async def agent_loop(config: Any, turns: int, max_tokens: int, mode: str, template: str
+                     ) -> dict[str, Any]:
     """One fresh engine, `turns` turns; per turn: finish reason, calls, tokens, forwards, wall."""
     t0 = time.perf_counter()
     core = build_local_engine(config)
     tokenizer = load_engine_tokenizer(config)
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = template
     app = create_app(LocalEngineClient(core), tokenizer,
                      ServerSettings(tool_call_parser="hermes", api_key=""))
     load_s = time.perf_counter() - t0
@@ -210,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--tool-choice", choices=["required", "cycle"], default="required",
                     help="cycle: each turn names the next tool (grep, read_file, run_tests)")
+    ap.add_argument("--compact-history", action="store_true",
+                    help="render earlier calls as the grammar writes them (no JSON spaces), not "
+                         "as Qwen2.5's template does")
     ap.add_argument("--fixed-k", action="store_true",
                     help="speculation: fixed (always verify k drafts) instead of the config's")
     ap.add_argument("--k", type=int, default=None,
@@ -230,12 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         configs[draft] = load_config(CONFIGS[draft], over)
     print(f"{commit_label()}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
           f"turns {args.turns}, max_tokens {args.max_tokens}, tool_choice {args.tool_choice}, "
-          f"reps {args.reps}, load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"compact history {args.compact_history}, reps {args.reps}, load average {os.getloadavg()[0]:.2f}", flush=True)
     t0 = time.perf_counter()
 
     def measure(draft: str, rep: int) -> dict[str, Any]:
         run = asyncio.run(agent_loop(configs[draft], args.turns, args.max_tokens,
-                                    args.tool_choice))
+                                    args.tool_choice,
+                                    COMPACT if args.compact_history else TEMPLATE))
         s = summary([run])
         print(f"  rep {rep} {draft:6s}: {s['tokens_per_forward'][0]:.2f} tok/fwd, "
               f"{s['wall_s_per_turn'][0]:.2f} s/turn, load {run['load_s']:.1f} s, calls "
