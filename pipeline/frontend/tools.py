@@ -133,7 +133,9 @@ def tool_grammar(req: Any, parser: str = "hermes") -> str | None:
               "properties": {"name": {"const": t.function.name},
                              key: t.function.parameters or {"type": "object"}}}
              for t in tools]
-    schema = {"x-guidance": {"whitespace_flexible": False}, "anyOf": calls}
+    # Spaced as templates' `tojson` shows earlier calls: drafting finds them in the prompt.
+    spacing = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    schema = {"x-guidance": spacing, "anyOf": calls}
     body = f"body: %json {json.dumps(schema)}\n"
     if parser == "llama3_json":
         more = ' ("; " body)*' if req.parallel_tool_calls is not False else ""

@@ -114,10 +114,11 @@ def test_the_required_grammar_takes_one_array_of_calls_and_more_only_when_parall
     req = type("Req", (), {"tools": [Tool.model_validate(t) for t in (WEATHER, SEARCH)],
                            "tool_choice": "required", "parallel_tool_calls": parallel})()
     grammar = compile_grammar("lark", tool_grammar(req, "mistral"), tok)
-    # The grammar's JSON is compact (whitespace_flexible off); calls are joined by ", ".
-    one = '[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Paris"}}]'
-    two = one[:-1] + ', {"name":"search","arguments":{"q":"x"}}]'
-    for text, ok in ((one, True), (two, parallel is None), (" " + one, False)):
+    # The grammar's JSON is spaced as json.dumps (and templates' tojson); calls joined by ", ".
+    one = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    two = one[:-1] + ', {"name": "search", "arguments": {"q": "x"}}]'
+    compact = '[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Paris"}}]'
+    for text, ok in ((one, True), (two, parallel is None), (" " + one, False), (compact, False)):
         m = grammar_matcher(grammar, tok)
         ids = tok.encode(text)
         assert (m.valid_prefix(ids) == len(ids)) is ok, text
