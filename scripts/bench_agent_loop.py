@@ -4,7 +4,7 @@ tool result -> next call), greedy, `tool_choice: required`; tokens per target fo
 drafting, n-gram and suffix drafting, every mode's calls checked against target-only greedy.
 
     .venv/bin/python scripts/bench_agent_loop.py [--drafts none ngram suffix] [--reps 2]
-        [--turns 6] [--max-tokens 120] [--tool-choice required|cycle] [--compact-history]
+        [--turns 6] [--max-tokens 120] [--tool-choice required|cycle]
         [--fixed-k] [--k K] [--json out.json]
 
 The app runs in-process over `LocalEngineClient(build_local_engine(config))`, reached by the
@@ -90,14 +90,6 @@ For each function call, return a json object with function name and arguments wi
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
-
-
-# The history's calls as the `required` grammar writes them (compact JSON, no spaces).
-COMPACT = TEMPLATE.replace(
-    '{"name": "{{ tool_call.function.name }}", "arguments": {{ tool_call.function.arguments | '
-    'tojson }}}', '{"name":"{{ tool_call.function.name }}","arguments":'
-    '{{ tool_call.function.arguments | tojson(separators=(",", ":")) }}}')
-assert COMPACT != TEMPLATE
 
 
 def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
@@ -220,9 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--tool-choice", choices=["required", "cycle"], default="required",
                     help="cycle: each turn names the next tool (grep, read_file, run_tests)")
-    ap.add_argument("--compact-history", action="store_true",
-                    help="render earlier calls as the grammar writes them (no JSON spaces), not "
-                         "as Qwen2.5's template does")
     ap.add_argument("--fixed-k", action="store_true",
                     help="speculation: fixed (always verify k drafts) instead of the config's")
     ap.add_argument("--k", type=int, default=None,
@@ -243,13 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         configs[draft] = load_config(CONFIGS[draft], over)
     print(f"{commit_label()}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
           f"turns {args.turns}, max_tokens {args.max_tokens}, tool_choice {args.tool_choice}, "
-          f"compact history {args.compact_history}, reps {args.reps}, load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"reps {args.reps}, load average {os.getloadavg()[0]:.2f}", flush=True)
     t0 = time.perf_counter()
 
     def measure(draft: str, rep: int) -> dict[str, Any]:
         run = asyncio.run(agent_loop(configs[draft], args.turns, args.max_tokens,
-                                    args.tool_choice,
-                                    COMPACT if args.compact_history else TEMPLATE))
+                                    args.tool_choice, TEMPLATE))
         s = summary([run])
         print(f"  rep {rep} {draft:6s}: {s['tokens_per_forward'][0]:.2f} tok/fwd, "
               f"{s['wall_s_per_turn'][0]:.2f} s/turn, load {run['load_s']:.1f} s, calls "
