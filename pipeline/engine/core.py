@@ -206,6 +206,11 @@ class EngineCore:
             await self._deliver(pending)
         try:
             outcome = await step
+            if outcome.hidden is not None:
+                sent = outcome.hidden.rows.numel() * outcome.hidden.rows.element_size()
+                self.stats.hidden_state_bytes += sent
+                if span is not None:
+                    span.set_attribute("spec.hidden_state_bytes", sent)
         finally:
             if span is not None:
                 span.end()

@@ -31,6 +31,7 @@ class EngineStats:
     # in prompt tokens: every first prefill's prompt, and its part served from the cache
     prefix_queries: int = 0
     prefix_hits: int = 0
+    hidden_state_bytes: int = 0  # the target's states sent on to an EAGLE-3 draft stage
 
     def view(self) -> dict[str, Any]:
         return {
@@ -41,7 +42,7 @@ class EngineStats:
             "acceptance_histogram": list(self.histogram), "k_chosen": list(self.k_chosen),
             "step_seconds": {"buckets": list(STEP_BUCKETS), "counts": list(self.step_seconds),
                              "sum": self.step_seconds_sum},
-            "stalls": self.stalls,
+            "stalls": self.stalls, "hidden_state_bytes": self.hidden_state_bytes,
         }
 
     def record(self, outcome: StepOutcome, num_prefills: int) -> None:

@@ -53,6 +53,8 @@ ENGINE_COUNTERS = (
      "Prompt tokens whose KV came from the prefix cache."),
     ("num_preemptions", "preemptions",
      "Requests preempted (KV pool full) and later recomputed."),
+    ("spec_decode_hidden_state_bytes", "hidden_state_bytes",
+     "Bytes of the target's hidden states sent on to an EAGLE-3 draft stage."),
 )
 
 

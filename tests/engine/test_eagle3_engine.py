@@ -121,6 +121,11 @@ def test_accepted_drafts_send_every_kept_position(runner, head_dir, references):
     assert got == references
     sizes = check_fed(proposer, references, head_dir)
     assert 4 in sizes and core.stats.accepted_tokens > 0  # kept 3 drafts + the bonus token
+    aux = next(iter(proposer.fed.values()))[0].aux
+    row = aux.shape[1] * aux.element_size()
+    # every fed position was counted once, plus each request's last kept ones (never fed)
+    sent = core.stats.hidden_state_bytes
+    assert sum(sizes) * row <= sent <= (sum(sizes) + 4 * len(references)) * row
 
 
 def test_preempted_requests_rebuild_the_head_from_their_recompute(runner, head_dir,
