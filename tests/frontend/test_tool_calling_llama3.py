@@ -5,11 +5,12 @@ engine for a grammar-enforced `required` call (issue 59, must-show 1's second te
 from __future__ import annotations
 
 import asyncio
+import functools
 
-import httpx
-import openai
 import pytest
-from support.server_fakes import ByteTok, FakeEngine
+from support import tool_clients
+from support.server_fakes import ByteTok
+from support.tool_clients import USER, calls_of, fake
 from support.tool_models import (
     LLAMA3_TEMPLATE,
     SEARCH,
@@ -21,34 +22,10 @@ from support.tool_models import (
 
 from pipeline.config import load_config
 from pipeline.engine.local import LocalEngineClient, build_local_engine
-from pipeline.frontend.app import ServerSettings, create_app
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
-USER = [{"role": "user", "content": "Weather in Paris?"}]
 TWO = llama3_output([("get_weather", {"city": "Paris"}), ("search", {"q": "x"})], tag=True)
-SETTINGS = ServerSettings(tool_call_parser="llama3_json")
-
-
-def both(engine, tok, **kw):
-    async def go():
-        app = create_app(engine, tok, SETTINGS)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://test", timeout=100) as http:
-            c = openai.AsyncOpenAI(api_key="x", base_url="http://test/v1", http_client=http)
-            kw.update(model=kw.get("model", "fake-model"), messages=kw.get("messages", USER))
-            full = await c.chat.completions.create(**kw)
-            async with c.chat.completions.stream(**kw) as s:
-                streamed = await s.get_final_completion()
-            return full, streamed
-    return asyncio.run(go())
-
-
-def fake(script: str) -> FakeEngine:
-    return FakeEngine(script=script, eos_after=len(script.encode()), max_model_len=4096)
-
-
-def calls_of(message) -> list[tuple[str, str]]:
-    return [(t.function.name, t.function.arguments) for t in message.tool_calls or []]
+both = functools.partial(tool_clients.both, parser="llama3_json")
 
 
 @pytest.mark.parametrize("script", [TWO, " " + TWO.removeprefix("<|python_tag|>")])

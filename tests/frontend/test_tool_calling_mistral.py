@@ -5,11 +5,12 @@ engine for grammar-enforced `required` and named calls, streamed equal to non-st
 from __future__ import annotations
 
 import asyncio
+import functools
 
-import httpx
-import openai
 import pytest
-from support.server_fakes import ByteTok, FakeEngine, call
+from support import tool_clients
+from support.server_fakes import ByteTok, call
+from support.tool_clients import USER, calls_of, fake
 from support.tool_models import (
     MISTRAL_TEMPLATE,
     SEARCH,
@@ -27,33 +28,10 @@ from pipeline.grammar.llg import compile_grammar, grammar_matcher
 from pipeline.tiny_tokenizer import ByteTokenizer
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
-USER = [{"role": "user", "content": "Weather in Paris?"}]
 TWO = mistral_output("Let me check. ", [("get_weather", {"city": "Paris"}),
                                         ("search", {"q": "é [x]"})])
 SETTINGS = ServerSettings(tool_call_parser="mistral")
-
-
-def both(engine, tok, **kw):
-    async def go():
-        app = create_app(engine, tok, SETTINGS)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://test", timeout=100) as http:
-            c = openai.AsyncOpenAI(api_key="x", base_url="http://test/v1", http_client=http)
-            kw.update(model=kw.get("model", "fake-model"), messages=kw.get("messages", USER))
-            full = await c.chat.completions.create(**kw)
-            async with c.chat.completions.stream(**kw) as s:
-                streamed = await s.get_final_completion()
-            return full, streamed
-    return asyncio.run(go())
-
-
-def fake(script: str, window: int = 3) -> FakeEngine:
-    return FakeEngine(script=script, eos_after=len(script.encode()), window=window,
-                      max_model_len=4096)
-
-
-def calls_of(message) -> list[tuple[str, str]]:
-    return [(t.function.name, t.function.arguments) for t in message.tool_calls or []]
+both = functools.partial(tool_clients.both, parser="mistral")
 
 
 @pytest.mark.parametrize("window", [1, 5])
