@@ -8,12 +8,13 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.output_support import EOS, feed, text_ids, tiny_tokenizer
+from support.output_support import (
+    tiny_tokenizer,
+    tool_calls_through_output_stage,
+)
 
 from pipeline.output.mistral_tool_calls import TOOL_CALLS, MistralStream
-from pipeline.output.processor import OutputProcessor
 from pipeline.output.tool_calls import ToolDelta
-from pipeline.params import SamplingParams
 
 TINY = tiny_tokenizer()
 NAMES = ["get_weather", "search", "f"]
@@ -44,21 +45,6 @@ def render(content: str, calls: list, pad: str, gap: str) -> str:
         [{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False) + gap
 
 
-def stream_through_output_stage(text: str, cuts: list[int]) -> tuple[ToolDelta, list[str]]:
-    proc = OutputProcessor(TINY, [EOS])
-    proc.add_request("r", [1, 2], SamplingParams(max_new_tokens=4096))
-    got = feed(proc, "r", text_ids(TINY, text) + [EOS], cuts)
-    assert got.last.finished and got.text == text
-    parser, total, pieces = MistralStream(NAMES), ToolDelta(), []
-    for out in got.outs:
-        d = parser.feed(out.text)
-        if out.finished:
-            d.add(parser.finish())
-        pieces.append(d.content)
-        total.add(d)
-    return total, pieces
-
-
 @settings(max_examples=300, deadline=None)
 @given(content=CONTENT, calls=st.lists(CALL, min_size=1, max_size=3),
        pad=st.sampled_from(["", " ", "\n"]), gap=st.sampled_from(["", "\n", " "]),
@@ -66,7 +52,7 @@ def stream_through_output_stage(text: str, cuts: list[int]) -> tuple[ToolDelta, 
 def test_streamed_tool_calls_equal_the_whole_text_parse_for_any_windows(content, calls, pad, gap,
                                                                         cuts):
     text = render(content, calls, pad, gap)
-    streamed, pieces = stream_through_output_stage(text, cuts)
+    streamed, pieces = tool_calls_through_output_stage(TINY, MistralStream(NAMES), text, cuts)
     whole = parse(text)
     assert streamed == whole
     assert whole.content == content  # nothing of the calls, not even whitespace after them

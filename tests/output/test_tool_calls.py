@@ -8,11 +8,12 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.output_support import EOS, feed, text_ids, tiny_tokenizer
+from support.output_support import (
+    tiny_tokenizer,
+    tool_calls_through_output_stage,
+)
 
-from pipeline.output.processor import OutputProcessor
 from pipeline.output.tool_calls import END, START, HermesStream, ToolDelta, parse_tool_calls
-from pipeline.params import SamplingParams
 
 TINY = tiny_tokenizer()
 NAMES = ["get_weather", "search", "f"]
@@ -40,27 +41,12 @@ def render(content: str, calls: list) -> str:
     return text
 
 
-def stream_through_output_stage(text: str, cuts: list[int]) -> tuple[ToolDelta, list[str]]:
-    proc = OutputProcessor(TINY, [EOS])
-    proc.add_request("r", [1, 2], SamplingParams(max_new_tokens=4096))
-    got = feed(proc, "r", text_ids(TINY, text) + [EOS], cuts)
-    assert got.last.finished and got.text == text
-    parser, total, pieces = HermesStream(NAMES), ToolDelta(), []
-    for out in got.outs:
-        d = parser.feed(out.text)
-        if out.finished:
-            d.add(parser.finish())
-        pieces.append(d.content)
-        total.add(d)
-    return total, pieces
-
-
 @settings(max_examples=300, deadline=None)
 @given(content=CONTENT, calls=st.lists(CALL, max_size=3),
        cuts=st.lists(st.integers(1, 9), min_size=1, max_size=8))
 def test_streamed_tool_calls_equal_the_whole_text_parse_for_any_windows(content, calls, cuts):
     text = render(content, calls)
-    streamed, pieces = stream_through_output_stage(text, cuts)
+    streamed, pieces = tool_calls_through_output_stage(TINY, HermesStream(NAMES), text, cuts)
     whole = parse_tool_calls(text, NAMES)
     assert streamed == whole
     assert whole.content == content  # nothing of the calls, not even whitespace between them

@@ -5,6 +5,7 @@ whole-stream decodes, quadratic and obviously right."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models
@@ -241,3 +242,23 @@ def reference(
         if p == params.max_new_tokens - 1:
             return Expected(stream[: p + 1], decode(stream[: p + 1], skip), "length", None, p + 1)
     return Expected(list(stream), decode(stream, skip), None, None, None)
+
+
+def tool_calls_through_output_stage(tok: Tokenizer, parser: Any, text: str, cuts: list[int]
+                                    ) -> tuple[Any, list[str]]:
+    """`text` then EOS through the real OutputProcessor in windows of `cuts` tokens, each delta's
+    text through the tool-call `parser`: all its deltas added up, and each delta's content."""
+    from pipeline.output.tool_calls import ToolDelta
+
+    proc = OutputProcessor(tok, [EOS])
+    proc.add_request("r", [1, 2], SamplingParams(max_new_tokens=4096))
+    got = feed(proc, "r", text_ids(tok, text) + [EOS], cuts)
+    assert got.last.finished and got.text == text
+    total, pieces = ToolDelta(), []
+    for out in got.outs:
+        d = parser.feed(out.text)
+        if out.finished:
+            d.add(parser.finish())
+        pieces.append(d.content)
+        total.add(d)
+    return total, pieces
