@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.frontend.errors import bad_request
-from pipeline.frontend.tools import tool_grammar
+from pipeline.frontend.tools import special_ids, tool_grammar
 from pipeline.grammar.llg import compile_grammar
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice")
@@ -18,7 +18,8 @@ def wants_grammar(req: Any, tool_parser: str = "hermes") -> bool:
         fmt is not None and fmt.get("type") != "text") or tool_grammar(req, tool_parser) is not None
 
 
-def grammar_source(req: Any, tool_parser: str = "hermes") -> tuple[str, Any, str] | None:
+def grammar_source(req: Any, tool_parser: str = "hermes", tokenizer: Any = None
+                   ) -> tuple[str, Any, str] | None:
     """(grammar kind, source, parameter), or None for free text."""
     found: list[tuple[str, Any, str]] = []
     if req.response_format is not None:
@@ -31,7 +32,7 @@ def grammar_source(req: Any, tool_parser: str = "hermes") -> tuple[str, Any, str
         found.append(("regex", req.guided_regex, "guided_regex"))
     if req.guided_choice is not None:
         found.append(("choice", req.guided_choice, "guided_choice"))
-    tools = tool_grammar(req, tool_parser)
+    tools = tool_grammar(req, tool_parser, special_ids(tokenizer))
     if tools is not None:
         found.append(("lark", tools, "tool_choice"))
     if len(found) > 1:
@@ -62,7 +63,7 @@ def _response_format(fmt: dict[str, Any]) -> tuple[str, Any, str] | None:
 
 
 def request_grammar(req: Any, tokenizer: Any, tool_parser: str = "hermes") -> Any:
-    source = grammar_source(req, tool_parser)
+    source = grammar_source(req, tool_parser, tokenizer)
     if source is None:
         return None
     kind, text, param = source

@@ -120,9 +120,17 @@ def supports_tools(tokenizer: Any) -> bool:
     return "tools" in template_text(tokenizer)
 
 
-def tool_grammar(req: Any, parser: str = "hermes") -> str | None:
+def special_ids(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special tokens by their text."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {str(t.content): i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def tool_grammar(req: Any, parser: str = "hermes", special: dict[str, int] | None = None
+                 ) -> str | None:
     """`required` or a named tool_choice as a Lark grammar: calls in the parser's format whose
-    JSON follows the tools' schemas, so every call parses; None when the output is free."""
+    JSON follows the tools' schemas, so every call parses; None when the output is free. A
+    marker that is a `special` token is that token, as the model writes it, not its text."""
     choice = getattr(req, "tool_choice", None)
     if not req_tools(req) or choice in (None, "none", "auto"):
         return None
@@ -142,7 +150,9 @@ def tool_grammar(req: Any, parser: str = "hermes") -> str | None:
         return f"start: body{more}\n" + body  # no <|python_tag|>: a special token in Llama 3
     if parser == "mistral":
         more = ' (", " body)*' if req.parallel_tool_calls is not False else ""
-        return f'start: "{TOOL_CALLS}[" body{more} "]"\n' + body
+        marker = f"<[{special[TOOL_CALLS]}]>" if TOOL_CALLS in (special or {}) else \
+            f'"{TOOL_CALLS}"'
+        return f'start: {marker} "[" body{more} "]"\n' + body
     more = ' ("\\n" call)*' if req.parallel_tool_calls is not False else ""
     return f'start: call{more}\ncall: "{START}\\n" body "\\n{END}"\n' + body
 

@@ -102,6 +102,16 @@ def test_the_required_grammar_takes_one_array_of_calls_and_more_only_when_parall
         assert (m.valid_prefix(ids) == len(ids)) is ok, text
 
 
+def test_a_special_token_marker_is_the_token_in_the_grammar_not_its_text():
+    tok = ByteTokenizer()
+    req = type("Req", (), {"tools": [Tool.model_validate(WEATHER)], "tool_choice": "required",
+                           "parallel_tool_calls": False})()
+    grammar = compile_grammar("lark", tool_grammar(req, "mistral", {"[TOOL_CALLS]": 1}), tok)
+    call = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    for ids, ok in (([1, *tok.encode(call)], True), (tok.encode("[TOOL_CALLS]" + call), False)):
+        assert (grammar_matcher(grammar, tok).valid_prefix(ids) == len(ids)) is ok
+
+
 def test_required_and_named_on_the_tiny_engine_are_parsed_mistral_calls():
     config = load_config("configs/tiny.yaml", {"attention_backend": "sdpa",
                                                "max_model_len": 2048})
