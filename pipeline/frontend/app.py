@@ -35,6 +35,7 @@ from pipeline.frontend.structured import request_grammar, wants_grammar
 from pipeline.frontend.tenant import bearer_token, tenant_id
 from pipeline.frontend.tokenizer import TokenizerAdapter
 from pipeline.frontend.tools import (
+    forces_tool_calls,
     parses_tool_calls,
     supports_tools,
     template_text,
@@ -192,7 +193,7 @@ class Server:
             tool_names=tool_names(req) if chat and parses_tool_calls(req) else None,
             tool_parser=self.settings.tool_call_parser,
             one_tool_call=chat and req.parallel_tool_calls is False,
-            tool_calls_forced=chat and req.tool_choice not in (None, "auto", "none"),
+            tool_calls_forced=chat and forces_tool_calls(req),
             include_usage=bool(req.stream and req.stream_options
                                and req.stream_options.include_usage))
         tenant = tenant_id(bearer_token(request.scope.get("headers") or []), req.user)

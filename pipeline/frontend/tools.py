@@ -82,6 +82,11 @@ def parses_tool_calls(req: Any) -> bool:
     return bool(getattr(req, "tools", None)) and req.tool_choice != "none"
 
 
+def forces_tool_calls(req: Any) -> bool:
+    """`required` or a named function: the grammar makes the output calls."""
+    return bool(req_tools(req)) and getattr(req, "tool_choice", None) not in (None, "none", "auto")
+
+
 def tool_names(req: Any) -> list[str]:
     return [t.function.name for t in req.tools or []]
 
@@ -131,9 +136,9 @@ def tool_grammar(req: Any, parser: str = "hermes", special: dict[str, int] | Non
     """`required` or a named tool_choice as a Lark grammar: calls in the parser's format whose
     JSON follows the tools' schemas, so every call parses; None when the output is free. A
     marker that is a `special` token is that token, as the model writes it, not its text."""
-    choice = getattr(req, "tool_choice", None)
-    if not req_tools(req) or choice in (None, "none", "auto"):
+    if not forces_tool_calls(req):
         return None
+    choice = req.tool_choice
     tools = [t for t in req.tools if not isinstance(choice, NamedToolChoice)
              or t.function.name == choice.function.name]
     key = "parameters" if parser == "llama3_json" else "arguments"
