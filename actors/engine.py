@@ -159,6 +159,7 @@ class Engine:
         self.build_phase = ""  # what a (re)build waits for, shown in health() while rebuilding
         self._loop: asyncio.AbstractEventLoop | None = None  # the step loop's (default group)
         self._channels: dict[str, OutputChannel] = {}  # client relays (submit, outputs)
+        self._ended: dict[str, asyncio.Future] = {}  # queued requests' ends (queue, wait)
 
     async def start(self) -> dict[str, Any]:
         setup_tracing("specrelay-engine", self.config.tracing)  # config, else OTEL_* environment
@@ -251,15 +252,26 @@ class Engine:
             core.fail(EngineDeadError(f"output stage unavailable: {e}"))  # gone: rebuild
             raise EngineDeadError(f"output stage unavailable: {e}") from None
 
-    async def run(self, call: EngineCall, channel: str) -> None:
-        """`submit`, then return once the request has ended: an engine replica's Serve call
-        lasts as long as its request (Serve counts it); its deltas go to `channel`."""
+    async def queue(self, call: EngineCall, channel: str) -> None:
+        """`submit` from another process: returns once the request is queued (raises its
+        refusal); `wait` then lasts until it has ended."""
         ended = asyncio.get_running_loop().create_future()
+        await self.submit(call, channel, ended)
+        if not ended.done():
+            self._ended[call.rid] = ended
+            ended.add_done_callback(lambda _: self._ended.pop(call.rid, None))
+
+    async def wait(self, rid: str) -> None:
+        """Returns once the queued request `rid` has ended (at once if it has): an engine
+        replica's Serve call lasts as long as its request, so Serve counts it. Cancelled (its
+        client left), it ends the request."""
+        ended = self._ended.get(rid)
+        if ended is None:
+            return
         try:
-            await self.submit(call, channel, ended)
             await asyncio.shield(ended)
-        except asyncio.CancelledError:  # its client left: the request ends here too
-            asyncio.ensure_future(self.abort(call.rid))
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self.abort(rid))
             raise
 
     async def outputs(self, channel: str) -> AsyncIterator[bytes]:

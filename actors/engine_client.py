@@ -56,7 +56,8 @@ class EngineClient:
         return relay
 
     async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
-        """The request's deltas from the Engine actor; closing early aborts it there."""
+        """The request's deltas from the Engine actor, the first one empty as soon as the engine
+        has queued it (a refusal raises instead); closing early aborts it there."""
         rid = call.rid
         relay = self._relay_here()
         queue = relay.demux.open(rid)
@@ -67,6 +68,7 @@ class EngineClient:
             except Exception as e:  # noqa: BLE001 - re-raised as the engine's own error
                 finished = True  # refused: nothing to abort
                 raise unwrap(e) from None
+            yield RequestOutput(rid)  # queued: an empty first delta, so callers know
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

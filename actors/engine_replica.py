@@ -71,8 +71,8 @@ class EngineReplica:
                        ) -> AsyncIterator[bytes | str]:
         """With `channel` (the ingress's): the request goes to this replica's engine with its
         deltas on that channel, straight to the ingress (pipeline.engine.relay); this stream
-        yields the engine's actor name, then ends when the request has (so Serve counts it
-        while it runs) or raises the engine's refusal.
+        yields the engine's actor name once the engine has queued the request, then ends when
+        the request has (so Serve counts it while it runs), or raises the engine's refusal.
         Without: the request's deltas as msgpack delta messages (pipeline.output.delta_codec),
         each with every delta that arrived since the last one was sent."""
         span = get_tracer().start_span(
@@ -80,13 +80,15 @@ class EngineReplica:
             attributes={"request.id": call.rid, "serve.replica": self.replica})
         try:
             if channel is not None:
-                yield self.engine_name
-                run = self.engine.run.remote(call, channel)
                 try:
-                    await run
+                    # Named once queued, so the ingress knows every choice is in (or refused)
+                    # before it sends headers.
+                    await self.engine.queue.remote(call, channel)
+                    yield self.engine_name
+                    await self.engine.wait.remote(call.rid)
                 except asyncio.CancelledError:
-                    # Sent after `run` by the same caller, so it finds the request (the
-                    # ingress's own abort can overtake `run`), outside this cancelled call.
+                    # Sent after `queue` by the same caller, so it finds the request (the
+                    # ingress's own abort can overtake it), outside this cancelled call.
                     self._context.run(self.engine.abort.remote, call.rid)
                     raise
                 return

@@ -107,6 +107,7 @@ class ReplicaClient:
             if relay.reader.done():  # the engine's stream failed before this request joined it
                 raise EngineDeadError(f"engine {name} is gone")
             watcher = asyncio.ensure_future(_watch(response, queue))
+            yield RequestOutput(rid)  # queued (see EngineClient.generate)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -90,6 +90,7 @@ class LocalEngineClient:
     async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
         self.core.start()
         stream = await self.core.add_request(call)
+        yield RequestOutput(call.rid)  # queued (see actors.engine_client.EngineClient.generate)
         async for delta in stream:
             yield delta
 

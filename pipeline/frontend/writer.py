@@ -50,10 +50,16 @@ class ResponseWriter:
             for _ in range(shape.n_choices)]
 
     async def first_deltas(self, deadline: float | None) -> list[tuple[int, RequestOutput]]:
-        """The first delta of any choice, plus whatever else is queued: overload errors come at
-        submission, so by then the other choices' are queued too, while choices waiting for a
-        slot do not hold back the stream."""
-        got = [await self.run.next(deadline)]
+        """What comes before the headers: every choice queued (the engine clients' empty first
+        delta) or one refused, which raises while a status can still say so; then a first
+        output of any choice, plus whatever else is queued. Choices waiting for a slot do not
+        hold back the stream."""
+        got: list[tuple[int, RequestOutput]] = []
+        heard: set[int] = set()
+        while len(heard) < self.shape.n_choices or not any(
+                out.token_ids or out.finished for _, out in got):
+            got.append(await self.run.next(deadline))
+            heard.add(got[-1][0])
         while not self.run.queue.empty():
             got.append(await self.run.next(deadline))
         return got

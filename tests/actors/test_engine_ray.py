@@ -71,7 +71,7 @@ def test_ray_abort_ends_stream_and_frees_slots(engines):
     assert stats["free_slots"] == stats["num_slots"] == 8
 
 
-def test_a_cancelled_run_call_ends_its_request(engines):
+def test_a_cancelled_wait_call_ends_its_request(engines):
     """What Serve does to an engine replica's call when the HTTP client leaves: the request ends
     in the engine too, whether it was running or still queued."""
     import ray
@@ -79,8 +79,10 @@ def test_a_cancelled_run_call_ends_its_request(engines):
     client = EngineClient(engines["tp1"])
     long = SamplingParams(max_new_tokens=200, ignore_eos=True)  # each needs >= 40 steps
     slots = asyncio.run(client.stats())["num_slots"]
-    runs = [engines["tp1"].run.remote(EngineCall(f"cancel-{i}", PROMPTS[0], long), "cancel-test")
-            for i in range(slots + 1)]  # the last one waits for a slot
+    engine = engines["tp1"]
+    ray.get([engine.queue.remote(EngineCall(f"cancel-{i}", PROMPTS[0], long), "cancel-test")
+             for i in range(slots + 1)])  # the last one waits for a slot
+    runs = [engine.wait.remote(f"cancel-{i}") for i in range(slots + 1)]
     deadline = time.monotonic() + 30
     while (s := asyncio.run(client.stats()))["waiting"] != 1 or s["free_slots"] != 0:
         assert time.monotonic() < deadline, s
@@ -117,14 +119,15 @@ def test_ray_full_queue_raises_overloaded_and_aborts_free_everything(engines):
 
         # 64 wait, and the 8 slots take what the engine admitted before the queue filled (0-8,
         # depending on how fast it steps); the rest are refused before they yield anything.
+        # Queued ones yield an empty delta at once.
         tasks = [asyncio.ensure_future(hold(f"o{i}")) for i in range(80)]
         for _ in range(300):
-            if len(started) + len(refused) >= 16:
+            if len(started) + len(refused) == 80:  # each queued (its empty delta) or refused
                 break
             await asyncio.sleep(0.1)
         release.set()
         for t in tasks:
-            t.cancel()  # the queued ones are still waiting for a first delta: abort them too
+            t.cancel()  # the queued ones are still waiting for a slot: abort them too
         await asyncio.gather(*tasks, return_exceptions=True)
         for _ in range(300):
             stats = await client.stats()

@@ -135,7 +135,8 @@ def test_generate_sends_the_parsed_request_and_reads_its_deltas_from_the_engine(
         RequestOutput("r1", [5], "a"),
         RequestOutput("r1", [6], "b", finished=True, finish_reason="length")])
     outs = run(collect(client, traceparent="tp", group="g", tenant="t"))
-    assert [(o.token_ids, o.text) for o in outs] == [([5], "a"), ([6], "b")]
+    # first an empty delta: the engine has queued it
+    assert [(o.token_ids, o.text) for o in outs] == [([], ""), ([5], "a"), ([6], "b")]
     call = handle.calls[0]
     assert (call.rid, call.prompt_ids, call.traceparent, call.group, call.tenant) == \
         ("r1", [1, 2, 3], "tp", "g", "t")
@@ -150,7 +151,7 @@ def test_requests_of_one_ingress_share_one_stream_per_engine():
         for i in range(3):
             handle.outputs = [RequestOutput(f"q{i}", [i], finished=True, finish_reason="length")]
             outs = [o async for o in client.generate(EngineCall(f"q{i}", [1], SamplingParams()))]
-            assert [o.token_ids for o in outs] == [[i]]
+            assert [o.token_ids for o in outs] == [[], [i]]
 
     run(go())
     assert len(engine.streams) == 1 and len(set(handle.channels)) == 1

@@ -86,7 +86,8 @@ def test_generate_yields_until_finished_without_aborting():
     handle = FakeHandle([RequestOutput("r1", [5], "a"),
                          RequestOutput("r1", [6], "b", finished=True, finish_reason="length")])
     outs = collect(EngineClient(handle))
-    assert [o.text for o in outs] == ["a", "b"] and handle.aborted == []
+    # first an empty delta: the engine has queued it
+    assert [o.text for o in outs] == ["", "a", "b"] and handle.aborted == []
 
 
 def test_overload_before_the_first_delta_raises_the_engine_error():
@@ -101,6 +102,7 @@ def test_closing_early_aborts_the_request():
 
     async def go():
         agen = client.generate(EngineCall("r9", [1], SamplingParams()))
+        assert (await agen.__anext__()).token_ids == []  # queued
         first = await agen.__anext__()
         await agen.aclose()
         await asyncio.sleep(0)  # the abort is fire-and-forget
@@ -122,7 +124,7 @@ def test_generate_passes_the_admission_group_a_batchs_last_and_the_tenant_to_the
     async def go(**kw):
         call = EngineCall("r1", [1], SamplingParams(), **kw)
         return [o async for o in EngineClient(handle).generate(call)]
-    assert [o.token_ids for o in asyncio.run(go(group="http-7"))] == [[5]]
+    assert [o.token_ids for o in asyncio.run(go(group="http-7"))] == [[], [5]]
     asyncio.run(go(group="job", last=True, tenant="t" * 32, traceparent="tp"))
     assert [(c.group, c.last, c.tenant, c.traceparent) for c in handle.calls] == [
         ("http-7", False, "", None), ("job", True, "t" * 32, "tp")]

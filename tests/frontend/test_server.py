@@ -13,6 +13,7 @@ import openai
 import pytest
 from support.server_fakes import EOS, SCRIPT, ByteTok, FakeEngine, fake_logprob
 
+from pipeline.errors import EngineOverloadedError
 from pipeline.frontend.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.timeout(60)
@@ -325,6 +326,50 @@ def test_full_queue_is_429_with_retry_after_and_streams_too():
     r = run(post(engine, "/v1/chat/completions",
                  {"messages": [{"role": "user", "content": "x"}], "stream": True}))
     assert r.status_code == 429
+
+
+def test_a_later_choice_refused_is_a_429_before_any_output_is_sent():
+    """Each choice is queued on its own: the first may already have output when a later one is
+    refused. The stream must not have started then (vLLM never answers part of a request)."""
+    async def admit(call):
+        if call.rid.endswith("-1"):
+            await asyncio.sleep(0.3)  # while choice 0 runs
+            raise EngineOverloadedError("waiting queue is full")
+
+    engine = FakeEngine(admit=admit, step_delay=0.05)  # choice 0: 20 deltas in ~1 s
+    r = run(post(engine, "/v1/completions",
+                 {"prompt": "hi", "n": 2, "max_tokens": 60, "stream": True}))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "engine_overloaded"
+    assert any(rid.endswith("-0") for rid in engine.aborted) and not engine.running
+    assert not engine.finished
+
+
+def test_queued_choices_do_not_hold_back_the_stream():
+    """Every choice queued: the stream starts with the first output of any of them."""
+    queued = asyncio.Event()
+
+    async def admit(call):
+        if call.rid.endswith("-1"):
+            queued.set()
+
+    engine = FakeEngine(admit=admit, step_delay=0.01)
+    real = engine._outputs
+
+    async def outputs(rid, params):
+        if rid.endswith("-1"):
+            await asyncio.sleep(3600)  # queued for a slot, never reached
+        async for out in real(rid, params):
+            yield out
+
+    engine._outputs = outputs
+    r = run(post(engine, "/v1/completions",
+                 {"prompt": "hi", "n": 2, "max_tokens": 6, "stream": True},
+                 request_timeout_s=2))
+    events = sse_events(r.text)
+    assert r.status_code == 200 and queued.is_set()
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]
+                   if e.get("choices")) == SCRIPT[:6]
+    assert events[-2]["error"]["code"] == "request_timeout"
 
 
 def test_request_timeout_is_408_and_aborts_the_engine_request():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,9 @@ class FakeEngine:
     groups: dict[str, str | None] = field(default_factory=dict)  # rid -> group
     tenants: dict[str, str] = field(default_factory=dict)  # rid -> tenant
     lasts: list[str] = field(default_factory=list)  # requests sent as a batch's last
+    # Set: awaited before a request is queued (it may raise a refusal), and then an empty first
+    # delta says it is queued, as the real engine clients do.
+    admit: Callable[[EngineCall], Awaitable[None]] | None = None
 
     def stream_tokens(self, params: SamplingParams) -> list[int]:
         text = self.script
@@ -77,6 +80,8 @@ class FakeEngine:
         return ids
 
     async def generate(self, call: EngineCall) -> AsyncIterator[RequestOutput]:
+        if self.admit is not None:
+            await self.admit(call)
         if len(self.running) >= self.num_slots + self.max_waiting:
             raise EngineOverloadedError(f"queue full ({len(self.running)} requests)")
         rid, params = call.rid, call.params
@@ -87,6 +92,8 @@ class FakeEngine:
             self.lasts.append(rid)
         self.running.add(rid)
         try:
+            if self.admit is not None:
+                yield RequestOutput(rid)
             async for out in self._outputs(rid, params):
                 yield out
         finally:
