@@ -53,12 +53,12 @@ class RayDraft:
         self.replacements = 0
         self.downtime_s: float | None = None  # the last loss until its replacement answered
 
-    def propose(self, plans: list[StepPlan], plan_ref: Any) -> Any:
-        """Send `plans` (the step's own last, already put as `plan_ref`) to the draft actor;
-        the last one's proposal ref."""
+    def propose(self, plans: list[StepPlan], plan_bytes: bytes) -> Any:
+        """Send `plans` (the step's own last, already encoded as `plan_bytes`) to the draft
+        actor; the last one's proposal ref."""
         for plan in plans[:-1]:  # a catch-up plan: its (empty) proposal is not needed
-            self._call(self.actors.draft.propose, ray.put(encode_plan(plan)))
-        return self._call(self.actors.draft.propose, plan_ref)
+            self._call(self.actors.draft.propose, encode_plan(plan))
+        return self._call(self.actors.draft.propose, plan_bytes)
 
     async def died(self, proposal: Any) -> bool:
         """Whether `proposal` failed because the draft actor died (then replace it)."""
