@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     waves: dict[str, list[Wave]] = {}
     try:
         for name, r in runners.items():  # warm: first calls, imports, actor paths
-            r.run(f"warm-{name}", 2, 0, 4)
+            r.run(f"warm-{name}", min(2, max(args.batches)), 0, 4)  # within max_waiting
         for rep in range(args.reps):
             for b in args.batches:
                 for name in alternated(list(runners), rep):

@@ -231,8 +231,9 @@ class EngineCore:
         self.scheduler.apply(outcome)
         new = len(outcome.rids) - len(plan.decode)
         self.stats.record(outcome, new)
-        # a step the draft stage missed says nothing about what drafts would keep
-        if not outcome.undrafted:
+        # a step the draft stage missed says nothing about what drafts would keep; with no
+        # draft stage there is nothing to learn (k stays 0)
+        if not outcome.undrafted and self.config.draft != "none":
             self.scheduler.spec.observe(
                 outcome.rids[new:], outcome.drafted[new:], [len(t) for t in outcome.tokens[new:]],
                 outcome.decode_s, outcome.expected[new:] if outcome.expected else None)
