@@ -86,9 +86,8 @@ class RayStages:
         await self._call(self.actors.output.add_request, encode_new_request(req), traceparent)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
-        # Encoded once, sent by value: Ray inlines it in each call (a ray.put object lives in
-        # the shared-memory store, which every reader fetches through the raylet: +2-3 ms a
-        # step at batch 1); one too large to inline Ray puts by itself.
+        # By value, inlined in each call (a ray.put object is fetched by every reader through
+        # the raylet: +2-3 ms a step at batch 1); Ray puts one too large to inline itself.
         plan_bytes = encode_plan(plan)
         if not self.drafting:
             return await self._verify(plan_bytes, None)
