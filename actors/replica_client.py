@@ -130,11 +130,20 @@ class ReplicaClient:
         """The stream of `engine_name`'s deltas for this ingress (made on first use, and again
         after the engine's stream failed)."""
         loop = asyncio.get_running_loop()
+
+        def usable(relay: Relay | None) -> bool:
+            return relay is not None and not relay.reader.done() and relay.loop is loop
+
         relay = self._relays.get(engine_name)
-        if relay is None or relay.reader.done() or relay.loop is not loop:
-            handle = (await self.directory.engines()).get(engine_name[len(self.directory.prefix):])
-            if handle is None:
-                raise EngineDeadError(f"engine {engine_name} is not running")
+        if usable(relay):
+            return relay
+        handle = (await self.directory.engines()).get(engine_name[len(self.directory.prefix):])
+        if handle is None:
+            raise EngineDeadError(f"engine {engine_name} is not running")
+        # Again after the lookup: a concurrent request may have made it meanwhile, and a second
+        # stream of one channel would take some of its messages, out of order with the first's.
+        relay = self._relays.get(engine_name)
+        if not usable(relay):
             relay = self._relays[engine_name] = Relay(handle, loop, self._channel, self._demux,
                                                       set())
         return relay

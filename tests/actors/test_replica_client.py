@@ -113,6 +113,7 @@ class Directory:
         self.found = engines
 
     async def engines(self):
+        await asyncio.sleep(0)  # the real lookup runs in a thread: other requests go on meanwhile
         return dict(self.found)
 
 
@@ -155,6 +156,24 @@ def test_requests_of_one_ingress_share_one_stream_per_engine():
 
     run(go())
     assert len(engine.streams) == 1 and len(set(handle.channels)) == 1
+
+
+def test_concurrent_first_requests_share_one_stream_per_engine():
+    """Two streams of one channel would split its messages between them, and a request's deltas
+    could then arrive out of order."""
+    client, handle, engine = client_over()
+    handle.outputs = []
+
+    async def go():
+        calls = [EngineCall(f"c{i}", [1], SamplingParams()) for i in range(4)]
+        agens = [client.generate(c) for c in calls]
+        firsts = await asyncio.gather(*(a.__anext__() for a in agens))  # queued, all at once
+        for a in agens:
+            await a.aclose()
+        return firsts
+
+    assert [o.token_ids for o in run(go())] == [[]] * 4
+    assert len(engine.streams) == 1, engine.streams
 
 
 def test_closing_early_aborts_in_the_engine_and_cancels_the_replica_call():
