@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct: speed, memory and quality.
     .venv/bin/python scripts/bench_quant.py memory
     .venv/bin/python scripts/bench_quant.py quality [--tokens 128] [--llama-server URL]
 
-speed: per variant (float32 weights; 4-bit weights with float32 or bfloat16 activations), the
+speed: per variant (float32 weights; 4-bit weights with float32 activations, with and without
+the batch-invariant attention path, or bfloat16 activations), the
 ms of a decode step at batch 1 and 8, of a 5-token verify run at batch 1, and of a 64-token
 prefill chunk; the variants interleaved `--reps` times, median and spread (min-max).
 memory: each variant loaded in a fresh process: VmRSS and RssAnon (the process's own pages,
@@ -35,8 +36,10 @@ from pipeline.models.runner import ModelRunner
 from pipeline.models.runners import load_runner
 from scripts.harness import interleaved, median_time
 
-VARIANTS = {"float32": ("float", "float32"), "int4/f32": ("quantized", "float32"),
-            "int4/bf16": ("quantized", "bfloat16")}
+# name: (weights, dtype, attention_invariant); "int4/f32" runs the shipped batch-invariant path
+VARIANTS = {"float32": ("float", "float32", "auto"), "int4/f32": ("quantized", "float32", "auto"),
+            "int4/f32 inv-off": ("quantized", "float32", "off"),
+            "int4/bf16": ("quantized", "bfloat16", "auto")}
 PROMPTS = [
     "What is the capital of France? Answer in two sentences.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -50,9 +53,9 @@ PROMPTS = [
 
 
 def runner_for(variant: str, num_slots: int = 8, max_len: int = 1024) -> ModelRunner:
-    weights, dtype = VARIANTS[variant]
+    weights, dtype, invariant = VARIANTS[variant]
     return load_runner("smollm2", weights=weights, dtype=dtype, num_slots=num_slots,
-                       max_len=max_len)
+                       max_len=max_len, attention_invariant=invariant)
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

@@ -13,7 +13,7 @@ import torch
 from pipeline.models.attention import FLASH_PAGE_MULTIPLE, build_metadata, resolve_backend
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import DEFAULT_BLOCK_SIZE, CacheFullError, KVCache
-from pipeline.models.llama import CpuLinear, use_column_major_weights
+from pipeline.models.llama import CpuLinear, use_column_major_weights, use_rescored_head
 from pipeline.models.quant import Int4Linear, pack_quantized
 
 __all__ = ["CacheFullError", "ModelRunner"]
@@ -40,6 +40,9 @@ class ModelRunner:
         if self.device.type == "cpu" and dtype == torch.float32 and hasattr(self.model, "layers"):
             use_column_major_weights(self.model)
         pack_quantized(self.model)
+        if self.device.type == "cpu" and dtype == torch.float32 and hasattr(self.model, "layers") \
+                and any(isinstance(m, Int4Linear) for m in self.model.modules()):
+            use_rescored_head(self.model)
         self.invariant = resolve_invariant(attention_invariant, self.model, self.device,
                                            dtype, self.backend)
         # query heads per KV head; None: the faster, batch-dependent attention

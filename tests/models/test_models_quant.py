@@ -13,6 +13,7 @@ from support.gguf_models import hf_model, write_gguf
 
 from pipeline.config import load_config
 from pipeline.models import load_runner
+from pipeline.models.llama import RescoredHead
 from pipeline.models.loader import load_model
 from pipeline.models.quant import (
     GROUP,
@@ -120,21 +121,66 @@ def test_a_float_gguf_stays_float_when_quantized_is_asked(tmp_path):
 
 
 def test_a_tied_table_is_held_once_and_the_logits_are_float32():
-    """The tied LM head and the embedding share one column-major float32 tensor; decode (one
-    row) and verify (several rows) give a position float32 logits equal up to float32 rounding
-    (bfloat16 logits would differ by steps of 2**-8 of their size)."""
+    """A 4-bit model's tied LM head is a RescoredHead sharing one row-major float32 table with
+    the embedding; decode (one row) and verify (several rows) give a position the same bits,
+    and its top logits are the float32 products (bfloat16 logits would be off by steps of
+    2**-8 of their size)."""
     config = tiny_config(tie_word_embeddings=True)
     model = tiny_model(config, seed=4)
+    table = model.embed.weight.detach().clone()
     quantize_linears(model)
     runner = ModelRunner(model, config, 2, 64)
+    assert isinstance(model.lm_head, RescoredHead)
     assert model.embed.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert model.embed.weight.is_contiguous() and torch.equal(model.embed.weight, table)
     one, many = runner.allocate(), runner.allocate()
     prompt = [3, 14, 15, 92]
     runner.forward([one, many], [prompt, prompt])
     decode = runner.forward([one], [[65]])[0]
     verify = runner.forward([many], [[65, 35, 89]])[0]
     assert decode.dtype == torch.float32
-    assert (decode[0] - verify[0]).abs().max() < 1e-4
+    assert torch.equal(decode[0], verify[0])
+
+
+def _float_logits(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().t()).float()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rescored_head_has_float32_top_logits_and_the_float32_argmax(seed):
+    """Rows 1 and 2 of the table differ by 1e-4 of their size: bfloat16 ties their logits, the
+    rescored head ranks them as float32 does. The leading logits are float32 values (the
+    `CANDIDATES` highest bfloat16 ones are recomputed), the rest within bfloat16 rounding."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(1000, 96, generator=g)
+    w[2] = w[1] * (1 + 1e-4)
+    x = torch.randn(9, 96, generator=g)
+    x[:4] = w[1] * (1 + 0.1 * torch.rand(4, 1, generator=g))  # rows 1 and 2 lead, near-tied
+    want = _float_logits(w, x)
+    got = RescoredHead(w)(x)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got.argmax(-1)[:4] == torch.where(want[:4, 2] > want[:4, 1], 2, 1)).all()
+    top = want.topk(RescoredHead.CANDIDATES // 4, dim=-1).indices
+    assert torch.allclose(got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()
+
+
+def test_a_rescored_row_is_the_same_bits_at_any_row_count():
+    g = torch.Generator().manual_seed(7)
+    head = RescoredHead(torch.randn(3000, 64, generator=g))
+    x = torch.randn(12, 64, generator=g)
+    alone = torch.cat([head(x[i:i + 1]) for i in range(12)])
+    for n in (2, 3, 5, 8, 12):
+        assert torch.equal(head(x[:n]), alone[:n])
+
+
+def test_a_4bit_file_head_stays_4bit(tmp_path):
+    """A file whose output.weight is 4-bit keeps it on the int4 kernel, not rescored."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf_model("llama"), "llama", Q.Q4_1)
+    quant = load_model(str(path), load_tokenizer=False, weights="quantized")
+    ModelRunner(quant.model, quant.config, 1, 64)
+    assert isinstance(quant.model.lm_head, Int4Linear)
 
 
 def test_hf_folder_int4_at_load(tmp_path):
@@ -142,6 +188,8 @@ def test_hf_folder_int4_at_load(tmp_path):
     hf.save_pretrained(tmp_path)
     quant = load_runner(str(tmp_path), num_slots=1, max_len=64, quantization="int4")
     assert isinstance(quant.model.layers[1].mlp.w_down, Int4Linear)
+    assert isinstance(quant.model.lm_head, RescoredHead)  # untied: its own table
+    assert quant.model.lm_head.weight.data_ptr() != quant.model.embed.weight.data_ptr()
     with torch.no_grad():  # the reference: HF holding the quantized projections in float32
         for name, p in hf.named_parameters():
             if p.dim() == 2 and "layers" in name:
