@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -85,6 +85,17 @@ class AttnMetadata:
     cu_seqlens_k: torch.Tensor | None = None
     groups: list[tuple[torch.Tensor, AttnMetadata]] | None = None
     invariant: bool = False  # the batch-invariant path: always folded and masked, one thread
+    _folded: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def folded_mask(self, group: int) -> torch.Tensor:
+        """`mask` on the folded query axis [B, 1, T * group, Lk]: built once a forward, not once
+        a layer."""
+        mask = self._folded.get(group)
+        if mask is None:
+            b, t, k = self.batch, self.max_q, self.max_k
+            mask = self.mask[:, :, :, None].expand(b, 1, t, group, k).reshape(b, 1, t * group, k)
+            self._folded[group] = mask
+        return mask
 
 
 def invariant_keys(n: int) -> int:
@@ -269,8 +280,7 @@ def _attend_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         g = h // kh
         qg = qp.reshape(b, t, kh, g, d).permute(0, 2, 1, 3, 4).reshape(b, kh, t * g, d)
         if mask is not None:
-            mask = mask[:, :, :, None].expand(b, 1, t, g, meta.max_k).reshape(
-                b, 1, t * g, meta.max_k)
+            mask = meta.folded_mask(g)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         out = out.reshape(b, kh, t, g, d).permute(0, 2, 1, 3, 4).reshape(b * t, h * d)
     else:

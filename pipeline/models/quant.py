@@ -119,13 +119,13 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             self.pack()
-        lead = x.shape[:-1]
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a decode: no reshapes
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features).to(COMPUTE_DTYPE), self.packed, GROUP,
-            self.scales_zeros)
+            flat.to(COMPUTE_DTYPE), self.packed, GROUP, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+        y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4/{GROUP}"
