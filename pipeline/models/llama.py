@@ -216,14 +216,13 @@ class RescoredHead(nn.Module):
 
 
 def use_rescored_head(model: LlamaModel) -> None:
-    """After `use_column_major_weights`: the LM head becomes a `RescoredHead`; a tied embedding
-    shares its row-major weight (the column-major copy and the float32 oneDNN copy go)."""
-    head = model.lm_head
-    if type(head) not in (CpuLinear, nn.Linear) or not _onednn_linear_available():
+    """Before `use_column_major_weights` (which then leaves the head alone): a float LM head
+    becomes a `RescoredHead`; a tied one shares the embedding's row-major table. Idempotent."""
+    tied = model.lm_head is None
+    if not (tied or type(model.lm_head) is nn.Linear) or not _onednn_linear_available():
         return  # already rescored, or a 4-bit head (a file's Q4 output.weight)
-    tied = model.embed.weight.data_ptr() == head.weight.data_ptr()
     with torch.no_grad():
-        model.lm_head = RescoredHead(head.weight)
+        model.lm_head = RescoredHead(model.embed.weight if tied else model.lm_head.weight)
         if tied:
             model.embed.weight = model.lm_head.weight
 

@@ -38,11 +38,10 @@ class ModelRunner:
         self.backend = resolve_backend(backend, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         if self.device.type == "cpu" and dtype == torch.float32 and hasattr(self.model, "layers"):
+            if any(isinstance(m, Int4Linear) for m in self.model.modules()):
+                use_rescored_head(self.model)
             use_column_major_weights(self.model)
         pack_quantized(self.model)
-        if self.device.type == "cpu" and dtype == torch.float32 and hasattr(self.model, "layers") \
-                and any(isinstance(m, Int4Linear) for m in self.model.modules()):
-            use_rescored_head(self.model)
         self.invariant = resolve_invariant(attention_invariant, self.model, self.device,
                                            dtype, self.backend)
         # query heads per KV head; None: the faster, batch-dependent attention
