@@ -102,6 +102,8 @@ class CompiledStages(RayStages):
     """RayStages whose run_step executes the compiled step graph, from one thread of its own:
     Ray's execute is not thread-safe, and its blocking reads must not hold the event loop."""
 
+    sends_ahead = False  # one execution at a time: a step sent ahead would wait in the thread
+
     def __init__(self, actors: StageActors, config: EngineConfig) -> None:
         super().__init__(actors, config)
         timeout_s = ray_timeout_s(config)

@@ -21,12 +21,7 @@ from typing import Any
 import ray
 
 from actors.draft_stage import RayDraft
-from actors.stage_actors import (
-    StageActors,
-    create_stage_actors,
-    replace_stages,
-    reset_survivors,
-)
+from actors.stage_actors import StageActors, create_stage_actors, replace_stages, reset_survivors
 from actors.stage_groups import remove_stage_groups
 from pipeline.config import EngineConfig
 from pipeline.engine.core import EngineCore
@@ -66,6 +61,8 @@ class RayStages:
 
     Every stage call is submitted as the engine's own call, never as a child of the request
     being served (see `_call`)."""
+
+    sends_ahead = True  # calls to an actor run in the order sent
 
     def __init__(self, actors: StageActors, config: EngineConfig) -> None:
         self.actors = actors

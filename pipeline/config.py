@@ -25,6 +25,7 @@ WEIGHTS = ("quantized", "float")
 ATTENTION_INVARIANT = ("auto", "on", "off")
 QUANTIZATIONS = ("int4",)
 STEP_TRANSPORTS = ("calls", "compiled")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 
 
 @dataclass
@@ -68,6 +69,7 @@ class EngineConfig:
     reserved_slots: int = 1
     reserved_waiting: int | None = None
     overlap: bool = True
+    async_scheduling: str = "auto"
     # "compiled" hangs with stages across nodes (docs/reliability.md).
     step_transport: str = "calls"
     step_timeout_s: float = 30.0
@@ -104,6 +106,9 @@ class EngineConfig:
         return self.num_slots * -(-self.max_model_len // self.block_size)
 
     def __post_init__(self) -> None:
+        for name in ("attention_invariant", "async_scheduling"):  # YAML reads on/off as booleans
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, "on" if getattr(self, name) else "off")
         validate_spec(self.spec_settings)
         check.integer("tensor_parallel_size", self.tensor_parallel_size, 1)
         check.integer("num_slots", self.num_slots, 1)
@@ -165,6 +170,7 @@ class EngineConfig:
         check.number("draft_agreement_noise", self.draft_agreement_noise, lo=0)
         if self.overlap is not True and self.overlap is not False:
             raise ValueError("overlap: must be a boolean")
+        check.choice("async_scheduling", self.async_scheduling, ASYNC_SCHEDULING)
         if self.enable_prefix_caching is not True and self.enable_prefix_caching is not False:
             raise ValueError("enable_prefix_caching: must be a boolean")
         if type(self.tracing) is not dict:

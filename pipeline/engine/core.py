@@ -1,7 +1,8 @@
 """The engine's step loop in plain asyncio: receive -> schedule -> draft + verify -> output ->
 finishes, driving in-process stages or Ray actors through `Stages`. With `overlap`, step s+1 runs
 while step s's output is processed: a finish is seen a step late, its late tokens are dropped by
-the output processor and its slots freed by the next plan. A stage error or a stalled step
+the output processor and its slots freed by the next plan. With `async_scheduling`, step s+1 is
+sent before step s returns where the scheduler can plan it (`plan_ahead`). A stage error or a stalled step
 (pipeline.engine.stall) ends every request with EngineDeadError and marks the engine unhealthy;
 a lost draft stage only means steps without drafts (pipeline.engine.draft_failover)."""
 
@@ -23,6 +24,8 @@ from pipeline.protocol import EngineCall, HiddenStates, NewRequest, StepOutcome,
 
 
 class Stages(Protocol):
+    sends_ahead: bool  # async_scheduling "auto" turns on: a step sent ahead hides a hop
+
     def add_request(self, req: NewRequest, traceparent: str | None) -> Awaitable[None]:
         """Register with the output stage before any step carries it (ValueError: refused)."""
 
@@ -93,6 +96,11 @@ class EngineCore:
         self._cached: dict[str, int] = {}  # prefix-cache hits, until the request's first delta
         # finished, slots not yet released: a late step may still carry their ids' tokens
         self._unreleased: dict[str, asyncio.Event] = {}
+        wanted = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and getattr(stages, "sends_ahead", False))
+        self.async_scheduling = (wanted and config.draft == "none"  # the verifier fills in
+                                 and config.tensor_parallel_size == 1)  # rows: rank 0 alone
+        self._ahead: tuple[StepPlan, Any, asyncio.Future] | None = None  # plan, span, call
 
     async def add_request(self, call: EngineCall,
                           sink: Callable[[str, RequestOutput | BaseException], None] | None = None
@@ -171,46 +179,72 @@ class EngineCore:
         pending: asyncio.Future | None = None
         try:
             while True:
-                plan = self.scheduler.schedule()
-                if plan is None:
-                    if pending is not None:
-                        await self._deliver(pending)
-                        pending = None
+                if self._ahead is not None:  # planned and sent while the last step ran
+                    (plan, *sent), self._ahead = self._ahead, None
+                else:
+                    plan, sent = self.scheduler.schedule(), None
+                    if plan is None:
+                        if pending is not None:
+                            await self._deliver(pending)
+                            pending = None
+                            continue
+                        self._wake.clear()
+                        await self._wake.wait()
                         continue
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                pending = await self._step(plan, pending)
+                pending = await self._step(plan, pending, sent)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any stage failure ends the engine's requests
             self._fail(e)
+        finally:
+            self._drop_ahead()
 
-    async def _step(self, plan: StepPlan, pending: asyncio.Future | None) -> asyncio.Future | None:
+    def _drop_ahead(self) -> None:
+        if self._ahead is None:
+            return
+        _plan, span, call = self._ahead
+        self._ahead = None
+        call.cancel()
+        if call.done() and not call.cancelled():
+            call.exception()  # retrieved: the step that failed first is the one reported
+        if span is not None:
+            span.end()
+
+    def _send(self, plan: StepPlan) -> tuple[Any, asyncio.Future]:
+        span = self._start_span(plan)
+        plan.hidden, self._hidden = self._hidden, None
+        return span, asyncio.ensure_future(self.stages.run_step(plan))
+
+    async def _step(self, plan: StepPlan, pending: asyncio.Future | None,
+                    sent: list | None) -> asyncio.Future | None:
         self._in_step = True
         try:
-            return await self._run_step(plan, pending)
+            return await self._run_step(plan, pending, sent)
         finally:
             self._in_step = False
             self._step_started = None
 
-    async def _run_step(self, plan: StepPlan, pending: asyncio.Future | None
-                        ) -> asyncio.Future | None:
-        span = self._start_span(plan)
+    async def _run_step(self, plan: StepPlan, pending: asyncio.Future | None,
+                        sent: list | None) -> asyncio.Future | None:
+        span, call = sent or self._send(plan)
         tokens = plan_tokens(plan)
         self.stall_bound_s = self.stall.bound(tokens)
-        started = self._step_started = time.monotonic()
-        plan.hidden, self._hidden = self._hidden, None
-        step = asyncio.ensure_future(self._timed(self.stages.run_step(plan), plan.step, "verify"))
+        started = self._step_started = time.monotonic()  # a step sent ahead: timed from here
+        step = asyncio.ensure_future(self._timed(call, plan.step, "verify"))
         if pending is not None:
             await self._deliver(pending)
+        if self.async_scheduling and self._ahead is None:
+            ahead = self.scheduler.plan_ahead(plan)
+            if ahead is not None:
+                self._ahead = (ahead, *self._send(ahead))
+                self.stats.steps_ahead += 1
         try:
             outcome = await step
             if outcome.hidden is not None:
-                sent = outcome.hidden.rows.numel() * outcome.hidden.rows.element_size()
-                self.stats.hidden_state_bytes += sent
+                nbytes = outcome.hidden.rows.numel() * outcome.hidden.rows.element_size()
+                self.stats.hidden_state_bytes += nbytes
                 if span is not None:
-                    span.set_attribute("spec.hidden_state_bytes", sent)
+                    span.set_attribute("spec.hidden_state_bytes", nbytes)
         finally:
             if span is not None:
                 span.end()
@@ -231,8 +265,7 @@ class EngineCore:
         self.scheduler.apply(outcome)
         new = len(outcome.rids) - len(plan.decode)
         self.stats.record(outcome, new)
-        # a step the draft stage missed says nothing about what drafts would keep; with no
-        # draft stage there is nothing to learn (k stays 0)
+        # a step the draft stage missed says nothing of drafts; with none there is nothing to learn
         if not outcome.undrafted and self.config.draft != "none":
             self.scheduler.spec.observe(
                 outcome.rids[new:], outcome.drafted[new:], [len(t) for t in outcome.tokens[new:]],
@@ -312,6 +345,7 @@ class EngineCore:
         reason = str(exc) or type(exc).__name__
         self.dead_reason = f"{type(exc).__name__}: {reason}"
         self._hidden = None
+        self._drop_ahead()
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(self.dead_reason)
         for rid, stream in list(self._streams.items()):
             stream.put(error)
@@ -326,8 +360,7 @@ class EngineCore:
             return {"healthy": False, "reason": self.dead_reason}
         if self._task is not None and self._task.done():
             return {"healthy": False, "reason": "engine loop stopped"}
-        # the step in flight against its own bound: handing out a large fan-out's deltas
-        # between steps may take longer than a step
+        # the step in flight against its own bound: a large fan-out's deltas may take longer
         started = self._step_started
         if started is not None and time.monotonic() - started > self.stall_bound_s:
             return {"healthy": False, "reason": f"the step in flight has run "

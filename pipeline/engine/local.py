@@ -23,19 +23,28 @@ from pipeline.verify.verifier import Verifier
 
 
 class LocalStages:
+    sends_ahead = False  # no hop to hide, and its thread would contend with the loop's
+
     def __init__(self, proposer: Proposer, verifier: Verifier, output: Any) -> None:
         self.proposer = proposer
         self.verifier = verifier
         self.output = output
         self.grammars = GrammarTracker(lambda: verifier.runner.tokenizer)
+        self._steps_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     async def add_request(self, req: NewRequest, traceparent: str | None) -> None:
         self.output.add_request(req.rid, req.prompt_ids, req.params)
 
     async def run_step(self, plan: StepPlan) -> StepOutcome:
-        # off the event loop, as an actor's step is: a client must be able to queue its next
-        # request during the forward, or its slot runs empty for steps
-        return await asyncio.to_thread(self.step, plan)
+        # off the loop (a client queues its next request meanwhile), in order, as an actor's
+        async with self._steps():
+            return await asyncio.to_thread(self.step, plan)
+
+    def _steps(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()  # a lock belongs to the loop that first waits on it
+        if self._steps_lock is None or self._steps_lock[0] is not loop:
+            self._steps_lock = (loop, asyncio.Lock())
+        return self._steps_lock[1]
 
     def step(self, plan: StepPlan) -> StepOutcome:
         outcome = self.verifier.step(plan, draft_step(self.proposer, plan, self.grammars))

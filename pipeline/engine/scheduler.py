@@ -31,7 +31,6 @@ class Scheduler:
                  spec: SpecController | None = None, reserved_waiting: int = 0,
                  num_blocks: int | None = None, block_size: int = 16,
                  token_budget: int | None = None) -> None:
-        # the config's num_seqs (the stats' "num_slots"): every stage has this many slots
         self.max_running = max_running
         self.token_budget = token_budget  # max_num_batched_tokens
         self.blocks = BlockBudget(num_blocks, block_size, max_model_len, num_speculative_tokens)
@@ -49,8 +48,7 @@ class Scheduler:
         self._finals: dict[str, list[int]] = {}  # released requests' uncommitted tokens
         self._step = 0
         self._new: list[EngineRequest] = []
-        # a batch job's last request is queued: once nothing waits, it drains
-        self._closed = False
+        self._closed = False  # a batch job's last request is queued: once nothing waits, it drains
 
     def prepare(self, call: EngineCall) -> EngineRequest:
         """Validate (ValueError, EngineOverloadedError) and cap the output at max_model_len."""
@@ -139,6 +137,36 @@ class Scheduler:
             plan.new.append(self._start(req, budget))
         self._new = admitted
         return plan
+
+    def plan_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The step after `plan` (decodes without drafts: one token a row), planned before its
+        outcome: each row one token further, its input the verifier's own last sample (-1).
+        None where the next plan needs the outcome (admissions, chunks, releases, grammars)."""
+        if plan.new or plan.prefills or any(plan.ks) or self._release or self._new:
+            return None
+        if (self.waiting and self.free_slots) or any(r.prefilling for r in self.running.values()):
+            return None
+        rows = [self.running[rid] for rid in plan.decode if rid in self.running]
+        rows = [r for r in rows if r.remaining > 1 and r.seq_len < self.max_model_len]
+        if not rows or any(r.params.grammar is not None for r in rows):
+            return None
+        if self.blocks.num_blocks is not None:
+            ahead = {r.rid: r.kv_len + 2 for r in rows}
+            need = sum(self.blocks.blocks(ahead.get(r.rid, r.reserved))
+                       for r in self.running.values())
+            if need > self.blocks.num_blocks:
+                return None
+        ahead_plan = StepPlan(step=self._step)
+        self._step += 1
+        for req in rows:
+            ahead_plan.decode.append(req.rid)
+            ahead_plan.last_tokens.append(-1)
+            ahead_plan.kv_lens.append(req.kv_len + 1)
+            ahead_plan.num_outputs.append(req.num_output + 1)
+            ahead_plan.ks.append(0)
+            req.reserved = req.kv_len + 2
+        ahead_plan.caps = list(ahead_plan.ks)
+        return ahead_plan
 
     def _preempt(self, caps: dict[str, int]) -> bool:
         victims = self.blocks.victims(self.running, caps)

@@ -32,6 +32,7 @@ class EngineStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     hidden_state_bytes: int = 0  # the target's states sent on to an EAGLE-3 draft stage
+    steps_ahead: int = 0  # planned and sent before the step before them returned
 
     def view(self) -> dict[str, Any]:
         return {
@@ -43,6 +44,7 @@ class EngineStats:
             "step_seconds": {"buckets": list(STEP_BUCKETS), "counts": list(self.step_seconds),
                              "sum": self.step_seconds_sum},
             "stalls": self.stalls, "hidden_state_bytes": self.hidden_state_bytes,
+            "steps_ahead": self.steps_ahead,
         }
 
     def record(self, outcome: StepOutcome, num_prefills: int) -> None:

@@ -55,6 +55,8 @@ ENGINE_COUNTERS = (
      "Requests preempted (KV pool full) and later recomputed."),
     ("spec_decode_hidden_state_bytes", "hidden_state_bytes",
      "Bytes of the target's hidden states sent on to an EAGLE-3 draft stage."),
+    ("engine_steps_ahead", "steps_ahead",
+     "Steps planned and sent while the step before them ran (async scheduling)."),
 )
 
 

@@ -189,12 +189,9 @@ class CpuLinear(nn.Module):
 
 
 class RescoredHead(nn.Module):
-    """CPU float32 LM head for models with 4-bit projections: one oneDNN bfloat16 GEMM over a
-    packed copy of the weight, then each row's `CANDIDATES` highest logits recomputed in float32
-    from the row-major weight (which the embedding lookup shares). The argmax and the tokens near
-    it carry float32 values (bfloat16's 2^-8 steps tie the top tokens); the rest are within
-    bfloat16 rounding (mean KL ~1e-4 on SmolLM2). Half the bytes of a float32 GEMM at any row
-    count, and a row's logits are the same bits at any row count."""
+    """CPU float32 LM head for 4-bit models: a oneDNN bfloat16 GEMM (half a float32 one's bytes,
+    row-invariant), then each row's `CANDIDATES` top logits recomputed in float32 from the
+    row-major weight the embedding shares (bfloat16's 2^-8 steps tie the top tokens)."""
 
     CANDIDATES = 64
 

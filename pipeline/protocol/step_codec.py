@@ -48,7 +48,7 @@ from pipeline.protocol.wire import (
 )
 
 NEW_REQUEST_VERSION = 1
-PLAN_VERSION = 2  # 2: hid (HiddenStates, optional)
+PLAN_VERSION = 3  # 2: hid (HiddenStates, optional); 3: last -1 (the verifier's own last sample)
 PROPOSAL_VERSION = 1
 OUTCOME_VERSION = 3  # 2: kvd (rank 0's KV digest); 3: hid (HiddenStates, optional)
 RANK_REPORT_VERSION = 1
@@ -262,7 +262,7 @@ PLAN = Codec(StepPlan, {"v": PLAN_VERSION, "m": "plan"}, [
     Field("prefill_starts", "pst", ints(per("prefills"))),
     Field("prefill_ends", "pend", ints(per("prefills"), 1)),
     Field("decode", "dec", RIDS),
-    Field("last_tokens", "last", ints(per("decode"))),
+    Field("last_tokens", "last", ints(per("decode"), -1)),
     Field("kv_lens", "kv", ints(per("decode"))),
     Field("num_outputs", "nout", ints(per("decode"))),
     Field("ks", "ks", ints(per("decode"), 0, MAX_DRAFTED)),

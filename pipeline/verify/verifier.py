@@ -38,6 +38,7 @@ class _Request:
     num_output: int  # its first token's output position
     hit: int = 0
     prefilling: bool = True
+    last: int = -1  # rank 0: its last sample, which a plan's last token -1 stands for
 
 
 class Verifier:
@@ -112,6 +113,8 @@ class Verifier:
             outcome = _outcome(plan.step, rids, plan.traceparent, result, all_drafts, params,
                                hits, len(plan.decode))
             outcome.cached = cached
+            for rid, tokens in zip(rids, outcome.tokens):
+                self._requests[rid].last = tokens[-1]
         outcome.kv_digest = self.kv_digest
         if aux is not None:
             outcome.hidden = _kept_states(plan, chunks, drafts, aux, outcome.tokens[len(done):])
@@ -173,7 +176,8 @@ class Verifier:
         for slot, kv_len in zip(decode_slots, plan.kv_lens):
             self.runner.truncate(slot, kv_len)  # lazy commit of the previous step
         slots += decode_slots
-        runs += [[last] + d for last, d in zip(plan.last_tokens, drafts)]
+        runs += [[last if last >= 0 else self._sampled(rid)] + d
+                 for rid, last, d in zip(plan.decode, plan.last_tokens, drafts)]
         start = time.perf_counter()
         capture = self.aux_layers if self.driver else None
         out = self.runner.forward(slots, runs, last_only=[True] * len(chunks)
@@ -183,6 +187,13 @@ class Verifier:
         for slot in slots[: len(chunks)]:  # committed: full blocks become cacheable
             self.runner.truncate(slot, self.runner.length(slot))
         return logits, aux, seconds if not chunks else None
+
+    def _sampled(self, rid: str) -> int:
+        last = self._requests[rid].last
+        if last < 0:
+            raise ValueError(f"verifier: the plan asks for the token the last step sampled for "
+                             f"{rid!r}, which this rank does not hold (only rank 0 samples)")
+        return last
 
     def _draft_probs(self, proposal: Proposal | None, drafts: list[list[int]],
                      offset: int) -> torch.Tensor | None:

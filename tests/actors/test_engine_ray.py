@@ -261,14 +261,23 @@ def test_killed_stage_actor_fails_requests_fast_then_engine_replaces_only_it(eng
     assert stats["restarts"] == restarts + 1 and stats["healthy"]
 
 
-def test_a_killed_engines_groups_are_swept_and_a_live_engines_are_kept(engines):
-    """What a replica's health check does for an engine killed with its replica (no cleanup)."""
+def test_a_killed_engines_groups_are_swept_and_a_live_engines_are_kept(engines, reference):
+    """What a replica's health check does for an engine killed with its replica (no cleanup).
+    Before: the engine without drafts sends steps ahead (async scheduling), output unchanged."""
     import ray
 
     from actors.engine import start_engine
     from actors.stage_groups import remove_orphan_stage_groups
 
     victim = start_engine(load_config("configs/tiny.yaml", {"draft": "none"}))
+    requests = mixed_requests(8)
+    out = run_batch(victim, requests)
+    for rid, prompt, params in requests:
+        want_ids, want_text = expected_cut(reference[PROMPTS.index(prompt)], params)
+        assert ids(out[rid]) == want_ids and "".join(d.text for d in out[rid]) == want_text
+        assert [d.finished for d in out[rid]].count(True) == 1
+    stats = asyncio.run(EngineClient(victim).stats())
+    assert stats["steps_ahead"] > stats["steps"] // 2, stats
     assert asyncio.run(EngineClient(victim).health())["healthy"]
     assert len(_stage_groups(victim)) == 1
     ray.kill(victim, no_restart=True)

@@ -49,6 +49,7 @@ def test_draft_none_forces_zero_speculative_tokens():
     ({"ngram_min_n": 3, "ngram_max_n": 2}, "ngram_max_n"),
     ({"overlap": "yes"}, "overlap"),
     ({"step_transport": "dag"}, "step_transport"),
+    ({"async_scheduling": "sometimes"}, "async_scheduling"),
     ({"step_transport": None}, "step_transport"),
     ({"max_waiting": -1}, "max_waiting"),
     ({"tracing": ["x"]}, "tracing"),
@@ -59,6 +60,13 @@ def test_draft_none_forces_zero_speculative_tokens():
 def test_bad_values_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         load_config(None, overrides)
+
+
+def test_on_off_settings_read_yamls_booleans_as_on_and_off(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("async_scheduling: off\nattention_invariant: on\n")  # YAML 1.1: booleans
+    config = load_config(str(path))
+    assert (config.async_scheduling, config.attention_invariant) == ("off", "on")
 
 
 def test_yaml_must_be_a_mapping(tmp_path):

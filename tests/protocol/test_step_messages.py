@@ -170,7 +170,7 @@ def test_the_wire_carries_every_sampling_params_field():
 # --- what a plain msgpack reader sees ---------------------------------------------------------
 PLAN = StepPlan(step=4, release=["x"],
                 new=[NewRequest("n", [1, 2, 3], SamplingParams(), "ab" * 16, num_output=1)],
-                decode=["a", "b"], last_tokens=[7, 8], kv_lens=[10, 12], num_outputs=[3, 5],
+                decode=["a", "b"], last_tokens=[7, -1], kv_lens=[10, 12], num_outputs=[3, 5],
                 ks=[2, 0], caps=[4, 4], min_gains=[0.5, 1.5], commits={"a": [6, 7]},
                 finals={"x": [9]}, traceparent=TP)
 PROPOSAL = Proposal([[5, 6], []], [torch.full((2, 3), 0.25), None], [[0.9, 0.5], []], 0.01)
@@ -187,7 +187,7 @@ ENCODED = {
 @pytest.mark.parametrize("kind", sorted(ENCODED))
 def test_a_plain_msgpack_reader_reads_each_message_with_its_version_tag(kind):
     msg = msgpack.unpackb(ENCODED[kind])
-    assert plain(msg) and msg["m"] == kind and msg["v"] == {"outcome": 3, "plan": 2}.get(kind, 1)
+    assert plain(msg) and msg["m"] == kind and msg["v"] == {"outcome": 3, "plan": 3}.get(kind, 1)
 
 
 def test_the_verify_step_reads_plainly_too():
@@ -311,6 +311,14 @@ def test_encoding_refuses_values_that_do_not_fit_the_columns():
                              num_outputs=[1], ks=[1]))
     with pytest.raises(ProtocolError, match="proposal.probs\\[0\\]: shape"):
         encode_proposal(Proposal([[1, 2]], [torch.zeros(1, 4)]))
+
+
+def test_a_plans_last_token_is_a_token_or_minus_one_for_the_verifiers_own_sample():
+    plan = StepPlan(0, decode=["a", "b"], last_tokens=[-1, 5], kv_lens=[3, 4],
+                    num_outputs=[1, 2], ks=[0, 0])
+    assert decode_plan(encode_plan(plan)).last_tokens == [-1, 5]
+    with pytest.raises(ProtocolError, match="last"):
+        decode_plan(encode_plan(dataclasses.replace(plan, last_tokens=[-2, 5])))
 
 
 # --- the draft bound --------------------------------------------------------------------------
