@@ -15,7 +15,7 @@ from pipeline.config import EngineConfig
 from pipeline.draft.eagle3.proposer import verifier_aux_layers
 from pipeline.grammar.memory import set_memory_budget
 from pipeline.models.runners import build_runner, set_torch_threads
-from pipeline.models.tp import check_ranks_agree, init_distributed
+from pipeline.models.tp import check_ranks_agree, init_distributed, share_from_rank0
 from pipeline.protocol import decode_plan, decode_proposal, encode_outcome, encode_rank_report
 from pipeline.verify.verifier import Verifier
 
@@ -45,7 +45,8 @@ class TargetVerifier:
         runner = build_runner(self.config, "target", tp_rank=self.rank, tp_world=world)
         self.verifier = Verifier(runner, driver=self.rank == 0,
                                  agree=check_ranks_agree if world > 1 else None,
-                                 aux_layers=verifier_aux_layers(self.config, runner.config))
+                                 aux_layers=verifier_aux_layers(self.config, runner.config),
+                                 share=share_from_rank0 if world > 1 else None)
         return {"vocab_size": runner.vocab_size,
                 "eos_token_ids": list(runner.config.eos_token_ids)}
 

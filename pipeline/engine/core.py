@@ -98,8 +98,7 @@ class EngineCore:
         self._unreleased: dict[str, asyncio.Event] = {}
         wanted = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and getattr(stages, "sends_ahead", False))
-        self.async_scheduling = (wanted and config.draft == "none"  # the verifier fills in
-                                 and config.tensor_parallel_size == 1)  # rows: rank 0 alone
+        self.async_scheduling = wanted and config.draft == "none"  # the verifier fills in rows
         self._ahead: tuple[StepPlan, Any, asyncio.Future] | None = None  # plan, span, call
 
     async def add_request(self, call: EngineCall,

@@ -121,3 +121,11 @@ def check_ranks_agree(digest: bytes, what: str, group: dist.ProcessGroup | None 
             groups.setdefault(v, []).append(rank)
         raise KVDivergenceError(f"tensor-parallel ranks disagree on {what}: ranks "
                                 f"{' vs '.join(map(str, groups.values()))} hold different state")
+
+
+def share_from_rank0(tokens: list[int], group: dist.ProcessGroup | None = None) -> list[int]:
+    """A collective: rank 0's `tokens` on every rank (the other ranks' are placeholders)."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    values = torch.tensor(tokens, dtype=torch.int64, device=device)
+    dist.broadcast(values, src=0, group=group)
+    return values.tolist()

@@ -45,14 +45,17 @@ class Verifier:
     def __init__(self, runner: ModelRunner, driver: bool = True,
                  generator: torch.Generator | None = None,
                  agree: Callable[[bytes, str], None] | None = None,
-                 aux_layers: list[int] | None = None) -> None:
+                 aux_layers: list[int] | None = None,
+                 share: Callable[[list[int]], list[int]] | None = None) -> None:
         """`agree(digest, what)`: raises on every rank when the ranks' digests differ.
-        `aux_layers`: an EAGLE-3 draft's; rank 0 returns their states (`StepOutcome.hidden`)."""
+        `aux_layers`: an EAGLE-3 draft's; rank 0 returns their states (`StepOutcome.hidden`).
+        `share(tokens)`: rank 0's tokens on every rank (its samples, for a plan's last token -1)."""
         self.runner = runner
         self.aux_layers = list(aux_layers or [])
         self.driver = driver
         self.generator = generator
         self.agree = agree
+        self.share = share
         self.kv_digest = b""
         self._requests: dict[str, _Request] = {}
         self.grammars = GrammarTracker(lambda: runner.tokenizer)
@@ -176,8 +179,7 @@ class Verifier:
         for slot, kv_len in zip(decode_slots, plan.kv_lens):
             self.runner.truncate(slot, kv_len)  # lazy commit of the previous step
         slots += decode_slots
-        runs += [[last if last >= 0 else self._sampled(rid)] + d
-                 for rid, last, d in zip(plan.decode, plan.last_tokens, drafts)]
+        runs += [[last] + d for last, d in zip(self._last_tokens(plan), drafts)]
         start = time.perf_counter()
         capture = self.aux_layers if self.driver else None
         out = self.runner.forward(slots, runs, last_only=[True] * len(chunks)
@@ -188,12 +190,20 @@ class Verifier:
             self.runner.truncate(slot, self.runner.length(slot))
         return logits, aux, seconds if not chunks else None
 
-    def _sampled(self, rid: str) -> int:
-        last = self._requests[rid].last
-        if last < 0:
-            raise ValueError(f"verifier: the plan asks for the token the last step sampled for "
-                             f"{rid!r}, which this rank does not hold (only rank 0 samples)")
-        return last
+    def _last_tokens(self, plan: StepPlan) -> list[int]:
+        lasts = list(plan.last_tokens)
+        ask = [i for i, t in enumerate(lasts) if t < 0]  # the same rows on every rank
+        if not ask:
+            return lasts
+        sampled = [self._requests[plan.decode[i]].last for i in ask]
+        if self.share is not None:
+            sampled = self.share(sampled)
+        for i, token in zip(ask, sampled):
+            if token < 0:
+                raise ValueError(f"verifier: the plan asks for the token the last step sampled "
+                                 f"for {plan.decode[i]!r}, which this rank does not hold")
+            lasts[i] = token
+        return lasts
 
     def _draft_probs(self, proposal: Proposal | None, drafts: list[list[int]],
                      offset: int) -> torch.Tensor | None:

@@ -7,8 +7,9 @@ a prefilling forward the ranks compare digests among themselves (pipeline.models
 - two replicas fed the same plans (in-process, no collectives) agree through a run with prefix
   hits and preemption; a replica whose pool differs fails the engine with KVDivergenceError;
 - TP = 2 over gloo (two spawned processes, the plan and proposal crossing as msgpack as they do
-  between actors): greedy output with the prefix cache on equals off equals TP = 1, and a rank
-  whose cache disagrees makes both ranks raise before the forward.
+  between actors): greedy output with the prefix cache on equals off equals TP = 1, also with
+  steps sent ahead (rank 0 broadcasts its samples), and a rank whose cache disagrees makes both
+  ranks raise before the forward.
 """
 
 from __future__ import annotations
@@ -129,10 +130,10 @@ def test_a_replica_holding_other_blocks_fails_the_engine_with_kv_divergence():
 
 
 # --- TP = 2 over gloo ---------------------------------------------------------------------------
-def _tp_config(caching: bool):
+def _tp_config(caching: bool, **overrides):
     return load_config("configs/tiny-tp2.yaml", {
         "attention_backend": "sdpa", "draft": "ngram", "enable_prefix_caching": caching,
-        "tensor_parallel_size": 1})  # the in-process engine drives the two ranks itself
+        "tensor_parallel_size": 1, **overrides})  # the in-process engine drives both ranks
 
 
 def _rank_runner(rank: int, caching: bool):
@@ -145,7 +146,7 @@ def _rank1(conn, init: str) -> None:
     """Rank 1: build on request, then run each plan it is sent and report its digest."""
     import torch
 
-    from pipeline.models.tp import check_ranks_agree, init_distributed
+    from pipeline.models.tp import check_ranks_agree, init_distributed, share_from_rank0
     from pipeline.protocol import decode_plan, decode_proposal
     from pipeline.verify.verifier import Verifier
 
@@ -154,7 +155,8 @@ def _rank1(conn, init: str) -> None:
     verifier = None
     while (msg := conn.recv())[0] != "stop":
         if msg[0] == "build":
-            verifier = Verifier(_rank_runner(1, msg[1]), driver=False, agree=check_ranks_agree)
+            verifier = Verifier(_rank_runner(1, msg[1]), driver=False, agree=check_ranks_agree,
+                                share=share_from_rank0)
             continue
         if msg[0] == "forget":  # a bug stand-in: hidden state (the cache index) diverges
             verifier.runner.cache.blocks._cached.clear()
@@ -194,26 +196,28 @@ def _rank0(conn, init: str, out_path: str) -> None:
     from pipeline.draft.step import build_proposer
     from pipeline.engine.core import EngineCore
     from pipeline.engine.local import make_output_processor
-    from pipeline.models.tp import check_ranks_agree, init_distributed
+    from pipeline.models.tp import check_ranks_agree, init_distributed, share_from_rank0
     from pipeline.tokenizer import eos_token_ids
     from pipeline.verify.verifier import Verifier
 
     torch.set_num_threads(1)
     init_distributed(0, 2, init, backend="gloo")
     results = {}
-    for label, mine, theirs in (("on", True, True), ("off", False, False),
+    for label, mine, theirs in (("on", True, True), ("off", False, False), ("ahead", True, True),
                                 ("forgot", True, True), ("diverged", True, False)):
         conn.send(("build", theirs))
-        config = _tp_config(mine)
+        config = _tp_config(mine, **({"draft": "none", "async_scheduling": "on"}
+                                     if label == "ahead" else {}))
         runner = _rank_runner(0, mine)
         output = make_output_processor(runner.tokenizer, eos_token_ids(runner.tokenizer))
-        stages = PipeStages(build_proposer(config), Verifier(runner, agree=check_ranks_agree),
-                            output)
+        stages = PipeStages(build_proposer(config), Verifier(runner, agree=check_ranks_agree,
+                                                             share=share_from_rank0), output)
         stages.conn = conn
         core = EngineCore(config, stages, runner.vocab_size)
         forget = (lambda: conn.send(("forget",))) if label == "forgot" else (lambda: None)
         try:
             results[label] = (asyncio.run(_rounds(core, between=forget)), core.stats.prefix_hits)
+            results[f"{label} steps ahead"] = core.stats.steps_ahead
         except EngineDeadError as e:
             results[label] = str(e)
     conn.send(("stop",))
@@ -240,8 +244,9 @@ def test_tp2_greedy_output_is_the_same_with_the_prefix_cache_on_and_off_and_as_t
                              "enable_prefix_caching": False}))))
     on, on_hits = results["on"]
     off, off_hits = results["off"]
-    assert on == off == ref
+    assert on == off == results["ahead"][0] == ref
     assert on_hits > 0 and off_hits == 0
+    assert results["ahead steps ahead"] > 0 and results["on steps ahead"] == 0
     # hidden state diverged (rank 1 lost its cache index): the ranks stop before the forward
     assert "KVDivergenceError" in results["forgot"]
     assert "prefix-cache hits" in results["forgot"] and "[0] vs [1]" in results["forgot"]
