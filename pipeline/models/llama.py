@@ -14,6 +14,7 @@ from torch import nn
 from pipeline.models.attention import AttnMetadata, attend, write_kv
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import KVCache
+from pipeline.models.quant import Int8Rows
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -191,15 +192,20 @@ class CpuLinear(nn.Module):
 class RescoredHead(nn.Module):
     """CPU float32 LM head for 4-bit models: a oneDNN bfloat16 GEMM (half a float32 one's bytes,
     row-invariant), then each row's `CANDIDATES` top logits recomputed in float32 from the
-    row-major weight the embedding shares (bfloat16's 2^-8 steps tie the top tokens)."""
+    row-major weight the embedding shares (bfloat16's 2^-8 steps tie the top tokens). A table
+    int8 codes hold exactly (Q8_0's) is kept as them, not as float32 (`table`)."""
 
     CANDIDATES = 64
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(
-            self.weight.to(torch.bfloat16), 8)
+        w = weight.detach().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 8)
+        self.table = Int8Rows.exact(w)
+        self.weight = nn.Parameter(w, requires_grad=False) if self.table is None else None
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.weight[index] if self.table is None else self.table.rows(index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -208,8 +214,23 @@ class RescoredHead(nn.Module):
             rows.to(torch.bfloat16), self.packed, None, "none", [None], "").float()
         top = logits.topk(min(self.CANDIDATES, logits.shape[-1]), dim=-1, sorted=False).indices
         # a product and a sum per candidate: a row's sum runs alike in any batch
-        exact = (self.weight[top] * rows[:, None, :]).sum(-1)
+        exact = (self.rows(top) * rows[:, None, :]).sum(-1)
         return logits.scatter_(1, top, exact).reshape(*lead, -1)
+
+
+class TableEmbedding(nn.Module):
+    """The input embedding over a tied RescoredHead's int8 table: the same float32 rows."""
+
+    def __init__(self, table: Int8Rows) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.rows(torch.arange(self.table.codes.shape[0]))
 
 
 def use_rescored_head(model: LlamaModel) -> None:
@@ -219,9 +240,11 @@ def use_rescored_head(model: LlamaModel) -> None:
     if not (tied or type(model.lm_head) is nn.Linear) or not _onednn_linear_available():
         return  # already rescored, or a 4-bit head (a file's Q4 output.weight)
     with torch.no_grad():
-        model.lm_head = RescoredHead(model.embed.weight if tied else model.lm_head.weight)
-        if tied:
-            model.embed.weight = model.lm_head.weight
+        model.lm_head = head = RescoredHead(model.embed.weight if tied else model.lm_head.weight)
+        if tied and head.table is not None:
+            model.embed = TableEmbedding(head.table)
+        elif tied:
+            model.embed.weight = head.weight
 
 
 def _onednn_linear_available() -> bool:

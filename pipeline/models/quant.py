@@ -46,6 +46,36 @@ class GroupQuant:
                           torch.cat([p.offset for p in parts]))
 
 
+@dataclass
+class Int8Rows:
+    """A float32 table [V, H] as int8 codes and a float32 scale per GROUP values, made only where
+    that holds it exactly (a table dequantized from GGUF's Q8_0): a quarter of the bytes."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    @staticmethod
+    def exact(w: torch.Tensor, chunk: int = 8192) -> Int8Rows | None:
+        v, h = w.shape
+        if h % GROUP or w.dtype != torch.float32:
+            return None
+        codes = torch.empty(v, h, dtype=torch.int8)
+        scale = torch.empty(v, h // GROUP)
+        for start in range(0, v, chunk):
+            g = w[start:start + chunk].reshape(-1, h // GROUP, GROUP)
+            s = g.abs().amax(-1) / 127
+            q = (g / torch.where(s > 0, s, torch.ones_like(s))[..., None]).round()
+            if q.abs().max() > 127 or not torch.equal(q * s[..., None], g):
+                return None
+            codes[start:start + chunk] = q.reshape(-1, h).to(torch.int8)
+            scale[start:start + chunk] = s
+        return Int8Rows(codes, scale)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        codes = self.codes[index].float().unflatten(-1, (-1, GROUP))
+        return (codes * self.scale[index][..., None]).flatten(-2)
+
+
 def quantize_float(w: torch.Tensor) -> GroupQuant:
     """Round-to-nearest min/max (Q4_1's scheme)."""
     n, k = w.shape
@@ -147,5 +177,5 @@ def quantize_linears(model: nn.Module) -> None:
         setattr(parent, name, Int4Linear(quantize_float(linear.weight), linear.bias))
 
 
-__all__ = ["COMPUTE_DTYPE", "GROUP", "GroupQuant", "Int4Linear",
+__all__ = ["COMPUTE_DTYPE", "GROUP", "GroupQuant", "Int4Linear", "Int8Rows",
            "gguf_group_quant", "pack_quantized", "quantize_float", "quantize_linears"]

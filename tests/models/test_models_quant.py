@@ -13,12 +13,13 @@ from support.gguf_models import hf_model, write_gguf
 
 from pipeline.config import load_config
 from pipeline.models import load_runner
-from pipeline.models.llama import RescoredHead
+from pipeline.models.llama import RescoredHead, TableEmbedding
 from pipeline.models.loader import load_model
 from pipeline.models.quant import (
     GROUP,
     GroupQuant,
     Int4Linear,
+    Int8Rows,
     gguf_group_quant,
     quantize_float,
     quantize_linears,
@@ -172,6 +173,52 @@ def test_a_rescored_row_is_the_same_bits_at_any_row_count():
     alone = torch.cat([head(x[i:i + 1]) for i in range(12)])
     for n in (2, 3, 5, 8, 12):
         assert torch.equal(head(x[:n]), alone[:n])
+
+
+def _q8_0_table(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """What a Q8_0 table dequantizes to: float16 scales times int8 codes, each block of 32
+    reaching +-127 (Q8_0 scales a block by its largest magnitude)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g)
+    codes[..., 0] = torch.where(torch.rand(rows, cols // 32, generator=g) < 0.5, -127, 127)
+    scale = (torch.rand(rows, cols // 32, 1, generator=g) * 0.02).half().float()
+    return (codes * scale).reshape(rows, cols)
+
+
+def test_int8_rows_hold_a_q8_0_table_exactly_and_nothing_else():
+    w = _q8_0_table(300, 64, 1)
+    rows = Int8Rows.exact(w, chunk=128)
+    assert rows.codes.dtype == torch.int8 and rows.codes.shape == (300, 64)
+    assert torch.equal(rows.rows(torch.arange(300)), w)
+    index = torch.tensor([[5, 299], [0, 5]])
+    assert torch.equal(rows.rows(index), w[index])
+    assert Int8Rows.exact(torch.randn(300, 64)) is None  # a float table: not exactly int8
+    off = w.clone()
+    off[7, 3] = torch.nextafter(off[7, 3], torch.tensor(1.0))  # one value a float32 step off
+    assert Int8Rows.exact(off) is None
+    assert Int8Rows.exact(w[:, :48]) is None  # not whole blocks of 32
+
+
+def test_a_tied_q8_0_table_is_held_as_int8_codes_with_the_same_bits(monkeypatch):
+    """SmolLM2's Q8_0 embedding: the rescored head and the lookups read int8 codes, a quarter
+    of the float32 table's bytes, and every logit is the bits the float32 table gives."""
+    config = tiny_config(tie_word_embeddings=True)
+
+    def runner() -> ModelRunner:
+        model = tiny_model(config, seed=4)
+        with torch.no_grad():
+            model.embed.weight.copy_(_q8_0_table(*model.embed.weight.shape, seed=2))
+        quantize_linears(model)
+        return ModelRunner(model, config, 1, 64)
+
+    held = runner()
+    assert isinstance(held.model.embed, TableEmbedding) and held.model.lm_head.weight is None
+    assert torch.equal(held.model.embed.weight, _q8_0_table(*held.model.embed.weight.shape, 2))
+    monkeypatch.setattr(Int8Rows, "exact", staticmethod(lambda w, chunk=0: None))
+    floats = runner()
+    assert floats.model.lm_head.weight is not None
+    prompt = [3, 14, 15, 92, 65, 35]
+    assert torch.equal(_logits(held, prompt), _logits(floats, prompt))
 
 
 def test_a_4bit_file_head_stays_4bit(tmp_path):
