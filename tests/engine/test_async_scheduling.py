@@ -11,7 +11,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.engine_cases import PROMPTS, expected_cut, ids, mixed_requests
+from support.engine_cases import PROMPTS, expected_cut, mixed_requests
 from support.reference_decode import target_references
 
 from pipeline.config import load_config
@@ -203,31 +203,6 @@ def test_async_scheduling_outputs_what_planning_every_step_does(overlap, referen
             assert got[on][rid].text == want_text
         assert got[True][rid].finish_reason == got[False][rid].finish_reason
         assert got[True][rid].logprobs == got[False][rid].logprobs
-
-
-def test_an_abort_between_steps_sent_ahead_frees_its_slot():
-    core = build_local_engine(load_config(CONFIG, {"draft": "none", "async_scheduling": "on"}))
-
-    async def main():
-        core.start()
-        stream = await core.add_request(EngineCall("a", PROMPTS[0], SamplingParams(
-            max_new_tokens=200, ignore_eos=True)))
-        other = await core.add_request(EngineCall("b", PROMPTS[1],
-                                                  SamplingParams(max_new_tokens=30)))
-        got = []
-        async for d in stream:
-            got.append(d)
-            if len(got) == 5:
-                await core.abort("a")
-        rest = [d async for d in other]
-        await core.idle()
-        return got, rest
-
-    got, rest = asyncio.run(main())
-    assert got[-1].finish_reason == "abort" and len(got) == 6
-    assert rest[-1].finish_reason == "length" and len(ids(rest)) == 30
-    assert core.stats.steps_ahead > 0
-    assert core.stages.verifier.runner.num_free() == core.scheduler.max_running
 
 
 def test_a_rank_that_did_not_sample_refuses_a_row_without_its_token():
