@@ -78,15 +78,19 @@ def test_prefix_routing_keeps_the_cache_hits_of_one_replica_and_beats_pow2(ray_c
     single, answers = measure("route-one", {"replicas": 1})
     prefix, prefix_answers = measure("route-prefix", {"replicas": 2, "routing": "prefix",
                                                       "imbalance_threshold": 4})
-    pow2, pow2_answers = measure("route-pow2", {"replicas": 2, "routing": "pow2"})
+    # pow2's hits are 32 coin flips (which replica a turn lands on): two runs, their mean
+    pow2_runs = [measure(f"route-pow2-{i}", {"replicas": 2, "routing": "pow2"}) for i in (0, 1)]
+    pow2 = {"cached_tokens": sum(r["cached_tokens"] for r, _ in pow2_runs) / 2}
     # greedy: the same conversations whichever replica served each turn
-    assert prefix_answers == answers and pow2_answers == answers
-    print("\nrouting: " + json.dumps({"single": single, "prefix": prefix, "pow2": pow2}))
-    for r in (single, prefix, pow2):
+    assert prefix_answers == answers and all(a == answers for _, a in pow2_runs)
+    print("\nrouting: " + json.dumps({"single": single, "prefix": prefix,
+                                     "pow2": [r for r, _ in pow2_runs]}))
+    for r in (single, prefix, *(r for r, _ in pow2_runs)):
         # usage and the engines' own counters agree on what the caches served
         assert r["cached_tokens"] == r["prefix_cache_hits"], r
         assert r["prompt_tokens"] == single["prompt_tokens"]
     assert prefix["cached_tokens"] >= 0.9 * single["cached_tokens"]
     # pow2 sends a turn to the replica holding its history about half the time (a miss leaves
-    # the history on both, so it loses less than half); measured 1.16-1.22x
-    assert prefix["cached_tokens"] >= 1.1 * pow2["cached_tokens"], (prefix, pow2)
+    # the history on both, so it loses less than half); one pow2 run measured 1.06-1.24x, the
+    # mean of two 1.13-1.19x
+    assert prefix["cached_tokens"] >= 1.05 * pow2["cached_tokens"], (prefix, pow2)
