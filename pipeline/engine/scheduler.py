@@ -150,12 +150,9 @@ class Scheduler:
         rows = [r for r in rows if r.remaining > 1 and r.seq_len < self.max_model_len]
         if not rows or any(r.params.grammar is not None for r in rows):
             return None
-        if self.blocks.num_blocks is not None:
-            ahead = {r.rid: r.kv_len + 2 for r in rows}
-            need = sum(self.blocks.blocks(ahead.get(r.rid, r.reserved))
-                       for r in self.running.values())
-            if need > self.blocks.num_blocks:
-                return None
+        free = self.blocks.free(self.running.values(), {r.rid: 1 for r in rows})
+        if free is not None and free < 0:
+            return None
         ahead_plan = StepPlan(step=self._step)
         self._step += 1
         for req in rows:
